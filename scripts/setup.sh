@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs what building and testing pg_outbox needs on a fresh Debian 12 machine, as root, with no
+# stdin. Idempotent: every step checks first, so a second run takes about a second.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+export PATH="$HOME/.cargo/bin:$PATH"
+
+# cargo-pgrx must equal the pgrx crate version in Cargo.toml; 0.19.x needs rustc 1.96.
+PGRX_VERSION=0.18.1
+PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
+
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+if [ "$(id -u)" -ne 0 ]; then
+  say "run as root (it installs Debian packages; tests run the server as the postgres user)"
+  exit 1
+fi
+
+# postgresql-15-pgq3 is here because the benchmarks measure against PgQ in the same run.
+need=()
+for p in postgresql-15 postgresql-server-dev-15 postgresql-contrib libclang-dev clang pkg-config \
+         libssl-dev sudo postgresql-15-pgq3; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+done
+if ((${#need[@]})); then
+  say "installing Debian packages: ${need[*]}"
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+# The Debian package starts a 'main' cluster on 5432; pg_outbox never uses it. Leave it alone.
+
+if ! cargo pgrx --version 2>/dev/null | grep -qx "cargo-pgrx $PGRX_VERSION"; then
+  say "installing cargo-pgrx $PGRX_VERSION (about 5 minutes on 2 cores)"
+  cargo install cargo-pgrx --version "$PGRX_VERSION" --locked --quiet
+fi
+
+if ! grep -qs "^pg15 = \"$PG_CONFIG\"" "${PGRX_HOME:-$HOME/.pgrx}/config.toml"; then
+  say "cargo pgrx init --pg15 $PG_CONFIG"
+  cargo pgrx init --pg15 "$PG_CONFIG" >/dev/null
+fi
+
+# Postgres refuses root: tests run initdb/pg_ctl as postgres (through sudo) under a short parent
+# directory that postgres owns; it is also the unix-socket directory (~100-byte path limit).
+install -d -o postgres -g postgres /tmp/pgrx-test-pgdata
+say "ready"

@@ -1,0 +1,189 @@
+//! Pull consumers and their cursors: create, advance, rewind, drop. (Reading is `outbox.read` in
+//! `sql/schema.sql`, on top of the read rule.)
+//!
+//! A cursor is the position of the last event a consumer has consumed. It only moves forward:
+//! `advance` is a conditional UPDATE that applies only when the new position is greater, and a
+//! trigger on `outbox.consumers` refuses any other backward move; `rewind` is the one explicit,
+//! logged way back.
+
+use crate::error::{Error, OrReport};
+use crate::owner::{acts_for, as_owner, caller};
+use crate::read_rule;
+use pg_outbox_core::{name as names, required, Position, StartAt};
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+
+/// A consumer row as this module needs it.
+struct Consumer {
+    owner: pg_sys::Oid,
+    cursor: Position,
+}
+
+fn position_from(txid: Option<String>, seq: Option<i64>) -> Position {
+    let txid = txid
+        .and_then(|t| t.parse().ok())
+        .expect("consumers.txid is a NOT NULL xid8");
+    Position::new(txid, seq.expect("consumers.seq is NOT NULL"))
+}
+
+/// Looks a consumer up (as the owner) and locks its row against concurrent changes.
+fn lookup_for_update(consumer: &str) -> Option<Consumer> {
+    Spi::connect(|client| {
+        let rows = client.select(
+            "SELECT owner, txid::text, seq FROM outbox.consumers WHERE name = $1 FOR UPDATE",
+            None,
+            &[DatumWithOid::from(consumer)],
+        )?;
+        let mut found = None;
+        for row in rows {
+            found = Some(Consumer {
+                owner: row.get::<pg_sys::Oid>(1)?.expect("owner is NOT NULL"),
+                cursor: position_from(row.get(2)?, row.get(3)?),
+            });
+        }
+        Ok::<_, pgrx::spi::Error>(found)
+    })
+    .expect("reading outbox.consumers")
+}
+
+/// Validates the arguments every cursor function shares and refuses a caller that does not act
+/// for the consumer's owner. Returns the consumer, its row locked.
+fn owned_consumer(consumer: Option<&str>, action: &'static str) -> (String, Consumer) {
+    let consumer = required(consumer, "consumer").or_report();
+    names::validate("consumer", consumer).or_report();
+    let me = caller();
+    let found = as_owner(|| lookup_for_update(consumer))
+        .unwrap_or_else(|| Error::UnknownConsumer(consumer.into()).report());
+    if !acts_for(me, found.owner) {
+        Error::NotOwner {
+            consumer: consumer.into(),
+            action,
+        }
+        .report();
+    }
+    (consumer.to_string(), found)
+}
+
+/// Parses a position and refuses one no reader can have been handed yet.
+fn readable_position(position: Option<&str>, argument: &str) -> Position {
+    let position: Position = required(position, argument).or_report().parse().or_report();
+    let horizon = read_rule::horizon();
+    if !position.is_below(horizon) {
+        Error::BeyondHorizon { position, horizon }.report();
+    }
+    position
+}
+
+fn cursor_args(consumer: &str, p: Position) -> [DatumWithOid<'static>; 3] {
+    [
+        DatumWithOid::from(consumer.to_string()),
+        DatumWithOid::from(p.txid.to_string()),
+        DatumWithOid::from(p.seq),
+    ]
+}
+
+/// Creates a pull consumer and returns its starting cursor.
+///
+/// `start_at`: 'origin' (everything the log still holds), 'now' (only transactions not yet
+/// readable at creation), or a position to start after.
+#[pg_extern(volatile, parallel_unsafe)]
+fn create_consumer(name: Option<&str>, start_at: default!(Option<&str>, "'origin'")) -> String {
+    let consumer = required(name, "name").or_report();
+    names::validate("consumer", consumer).or_report();
+    let start: StartAt = required(start_at, "start_at")
+        .or_report()
+        .parse()
+        .or_report();
+    let horizon = read_rule::horizon();
+    if let StartAt::After(position) = start {
+        if !position.is_below(horizon) {
+            Error::BeyondHorizon { position, horizon }.report();
+        }
+    }
+    let cursor = start.cursor(horizon);
+    let me = caller();
+    let created = as_owner(|| {
+        let [n, t, s] = cursor_args(consumer, cursor);
+        Spi::get_one_with_args::<bool>(
+            "INSERT INTO outbox.consumers (name, kind, txid, seq, owner) \
+             VALUES ($1, 'pull', $2::xid8, $3, $4) ON CONFLICT (name) DO NOTHING RETURNING true",
+            &[n, t, s, DatumWithOid::from(me)],
+        )
+    });
+    match created {
+        Ok(Some(true)) => cursor.to_string(),
+        Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => {
+            Error::ConsumerExists(consumer.into()).report()
+        }
+        Err(e) => panic!("creating consumer: {e}"),
+    }
+}
+
+/// Moves a consumer's cursor forward to `position` (the last event it has consumed). Returns
+/// false, and leaves the cursor alone, when that would not move it forward.
+#[pg_extern(volatile, parallel_unsafe)]
+fn advance(consumer: Option<&str>, position: Option<&str>) -> bool {
+    let (consumer, _) = owned_consumer(consumer, "advance");
+    let target = readable_position(position, "position");
+    as_owner(|| {
+        let args = cursor_args(&consumer, target);
+        // The condition, not the caller, decides: a late save from a holder that lost its lease
+        // compares against the row as it is now and changes nothing.
+        Spi::get_one_with_args::<bool>(
+            "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, moved_at = now() \
+              WHERE name = $1 AND (txid, seq) < ($2::xid8, $3) RETURNING true",
+            &args,
+        )
+    })
+    .map(|moved| moved.unwrap_or(false))
+    .or_else(|e| match e {
+        pgrx::spi::Error::InvalidPosition => Ok(false),
+        e => Err(e),
+    })
+    .unwrap_or_else(|e| panic!("advancing consumer: {e}"))
+}
+
+/// Moves a consumer's cursor to `position`, backward or forward, on purpose. Logged. Returns the
+/// position it had before. Events already pruned do not come back.
+#[pg_extern(volatile, parallel_unsafe)]
+fn rewind(consumer: Option<&str>, position: Option<&str>) -> String {
+    let (consumer, found) = owned_consumer(consumer, "rewind");
+    let target = readable_position(position, "position");
+    as_owner(|| {
+        Spi::run_with_args(
+            "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, rewinds = rewinds + 1, \
+                    moved_at = now() WHERE name = $1",
+            &cursor_args(&consumer, target),
+        )
+    })
+    .unwrap_or_else(|e| panic!("rewinding consumer: {e}"));
+    let by = unsafe {
+        // SAFETY: the caller's role exists while it is calling; noerr returns NULL otherwise.
+        let name = pg_sys::GetUserNameFromId(caller(), true);
+        if name.is_null() {
+            "?".into()
+        } else {
+            std::ffi::CStr::from_ptr(name)
+                .to_string_lossy()
+                .into_owned()
+        }
+    };
+    pgrx::log!(
+        "pg_outbox: consumer \"{consumer}\" rewound from {} to {target} by role \"{by}\"",
+        found.cursor
+    );
+    found.cursor.to_string()
+}
+
+/// Drops a consumer and its cursor. Events it alone was holding become prunable.
+#[pg_extern(volatile, parallel_unsafe)]
+fn drop_consumer(name: Option<&str>) {
+    let (consumer, _) = owned_consumer(name, "drop");
+    as_owner(|| {
+        Spi::run_with_args(
+            "DELETE FROM outbox.consumers WHERE name = $1",
+            &[DatumWithOid::from(consumer.as_str())],
+        )
+    })
+    .unwrap_or_else(|e| panic!("dropping consumer: {e}"));
+}

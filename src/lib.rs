@@ -1,0 +1,40 @@
+//! pg_outbox: a durable event dispatcher inside PostgreSQL.
+//!
+//! Module list and `_PG_init` only; the rules live in `pg_outbox_core` (no database needed) and
+//! each SQL-facing function sits in the module named after its concept.
+
+use pgrx::prelude::*;
+
+mod cursor;
+mod error;
+mod horizon;
+mod owner;
+mod prune;
+mod raise;
+mod raw;
+mod read_rule;
+
+#[cfg(any(test, feature = "pg_test"))]
+mod tests;
+
+pgrx::pg_module_magic!();
+
+// The schema, the log, the cursor table and the read rule, before any function that uses them.
+pgrx::extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
+
+// Last: nothing is usable by PUBLIC until a DBA grants it (see the README's "Privileges").
+pgrx::extension_sql_file!("sql/privileges.sql", name = "privileges", finalize);
+
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {}
+
+/// Test-framework hooks: the cluster `cargo pgrx test` starts preloads pg_outbox as a real
+/// installation would.
+#[cfg(test)]
+pub mod pg_test {
+    pub fn setup(_options: Vec<&str>) {}
+
+    pub fn postgresql_conf_options() -> Vec<&'static str> {
+        vec!["shared_preload_libraries = 'pg_outbox'"]
+    }
+}

@@ -1,0 +1,144 @@
+//! Raw jsonb and array arguments.
+//!
+//! pgrx's `JsonB` turns every value into a `serde_json::Value` (jsonb_out, parse, and back again on
+//! the way out). `raise` only needs to know that a payload is an object and to hand the very same
+//! datum to the INSERT, so these types keep the datum as Postgres gave it.
+
+use pgrx::callconv::{Arg, ArgAbi};
+use pgrx::pg_sys;
+use pgrx::pgrx_sql_entity_graph::metadata::{
+    ArgumentError, ReturnsError, ReturnsRef, SqlMappingRef, SqlTranslatable, TypeOrigin,
+};
+use pgrx::FromDatum;
+
+macro_rules! raw_datum_type {
+    ($(#[$doc:meta])* $name:ident, $sql:literal, $oid:expr) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy)]
+        pub struct $name(pub pg_sys::Datum);
+
+        impl FromDatum for $name {
+            unsafe fn from_polymorphic_datum(datum: pg_sys::Datum, is_null: bool, _: pg_sys::Oid) -> Option<Self> {
+                (!is_null).then_some($name(datum))
+            }
+        }
+
+        impl pgrx::IntoDatum for $name {
+            fn into_datum(self) -> Option<pg_sys::Datum> {
+                Some(self.0)
+            }
+            fn type_oid() -> pg_sys::Oid {
+                $oid
+            }
+        }
+
+        // SAFETY: the datum is only ever read as the SQL type declared below.
+        unsafe impl<'fcx> ArgAbi<'fcx> for $name {
+            unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
+                let index = arg.index();
+                // SAFETY: the caller guarantees the argument has the declared SQL type.
+                unsafe { arg.unbox_arg_using_from_datum() }
+                    .unwrap_or_else(|| panic!("argument {index} must not be null"))
+            }
+        }
+
+        // SAFETY: the SQL type named here is what the functions declare and what the datum is.
+        unsafe impl SqlTranslatable for $name {
+            const TYPE_IDENT: &'static str = pgrx::pgrx_resolved_type!($name);
+            const TYPE_ORIGIN: TypeOrigin = TypeOrigin::External;
+            const ARGUMENT_SQL: Result<SqlMappingRef, ArgumentError> = Ok(SqlMappingRef::literal($sql));
+            const RETURN_SQL: Result<ReturnsRef, ReturnsError> =
+                Ok(ReturnsRef::One(SqlMappingRef::literal($sql)));
+        }
+    };
+}
+
+raw_datum_type!(
+    /// A `jsonb` argument, untouched.
+    RawJsonb, "jsonb", pg_sys::JSONBOID
+);
+raw_datum_type!(
+    /// A `jsonb[]` argument, untouched.
+    RawJsonbArray, "jsonb[]", pg_sys::JSONBARRAYOID
+);
+raw_datum_type!(
+    /// A `text[]` argument, untouched.
+    RawTextArray, "text[]", pg_sys::TEXTARRAYOID
+);
+
+impl RawJsonb {
+    /// True when the value is a JSON object (not an array, scalar or null).
+    pub fn is_object(self) -> bool {
+        is_jsonb_object(self.0)
+    }
+}
+
+fn is_jsonb_object(datum: pg_sys::Datum) -> bool {
+    // SAFETY: the datum is a non-null jsonb; detoasting gives a readable varlena whose data starts
+    // with the root container's 32-bit header, whose flag bits say object, array or scalar.
+    unsafe {
+        let v = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
+        let header = pgrx::varlena::vardata_any(v).cast::<u32>().read_unaligned();
+        header & pg_sys::JB_FOBJECT != 0
+    }
+}
+
+/// The elements of a one-dimensional array, as (datum, is_null) pairs.
+///
+/// Refuses arrays of more than one dimension: `raise_many` pairs elements by index.
+fn elements(
+    array: pg_sys::Datum,
+    elem_type: pg_sys::Oid,
+    what: &str,
+) -> Vec<Option<pg_sys::Datum>> {
+    // SAFETY: the datum is a non-null array of elem_type (the SQL signature says so), a varlena
+    // type (text or jsonb: length -1, by reference, int alignment); deconstruct_array pallocs the
+    // outputs, which live until the end of the call.
+    unsafe {
+        let arr = pg_sys::pg_detoast_datum(array.cast_mut_ptr()).cast::<pg_sys::ArrayType>();
+        if (*arr).ndim > 1 {
+            crate::error::Error::Invalid(pg_outbox_core::Invalid::new(
+                pg_outbox_core::InvalidKind::Parameter,
+                format!("{what} must be a one-dimensional array"),
+            ))
+            .report();
+        }
+        let mut datums: *mut pg_sys::Datum = std::ptr::null_mut();
+        let mut nulls: *mut bool = std::ptr::null_mut();
+        let mut n: i32 = 0;
+        pg_sys::deconstruct_array(
+            arr,
+            elem_type,
+            -1,
+            false,
+            pg_sys::TYPALIGN_INT as std::ffi::c_char,
+            &mut datums,
+            &mut nulls,
+            &mut n,
+        );
+        (0..n as usize)
+            .map(|i| (!*nulls.add(i)).then(|| *datums.add(i)))
+            .collect()
+    }
+}
+
+impl RawJsonbArray {
+    /// The elements (None for SQL NULL), each still a raw jsonb datum.
+    pub fn elements(self, what: &str) -> Vec<Option<RawJsonb>> {
+        elements(self.0, pg_sys::JSONBOID, what)
+            .into_iter()
+            .map(|d| d.map(RawJsonb))
+            .collect()
+    }
+}
+
+impl RawTextArray {
+    /// The elements as strings (None for SQL NULL).
+    pub fn strings(self, what: &str) -> Vec<Option<String>> {
+        elements(self.0, pg_sys::TEXTOID, what)
+            .into_iter()
+            // SAFETY: each element is a non-null text datum.
+            .map(|d| d.and_then(|d| unsafe { String::from_datum(d, false) }))
+            .collect()
+    }
+}

@@ -1,0 +1,122 @@
+-- pg_outbox schema: the event log, the composite readers receive, cursors, and the read rule.
+-- Every name is schema-qualified and every function pins search_path: the install script and the
+-- functions run as the installing superuser, and an unqualified name is a hijack waiting to happen.
+
+-- seq only has to increase within one transaction (positions order by txid first), so each
+-- backend may cache a block of numbers: that takes the sequence off the hot path of 8 writers.
+CREATE SEQUENCE outbox.events_seq AS bigint CACHE 64;
+
+CREATE TABLE outbox.events (
+    txid      pg_catalog.xid8        NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    seq       bigint                 NOT NULL DEFAULT pg_catalog.nextval('outbox.events_seq'::pg_catalog.regclass),
+    id        uuid                   NOT NULL,
+    topic     text                   NOT NULL,
+    subject   text,
+    tenant    text,
+    payload   jsonb                  NOT NULL,
+    headers   jsonb                  NOT NULL DEFAULT '{}',
+    raised_at timestamptz            NOT NULL DEFAULT pg_catalog.now(),
+    -- The only index: readers scan it from a cursor and pruning from the start. Every extra
+    -- index would cost every raise.
+    CONSTRAINT events_pkey PRIMARY KEY (txid, seq),
+    -- raise() checks these with a clear message; the constraints keep the log sound against any
+    -- other writer (a superuser's INSERT, a restore).
+    CONSTRAINT events_payload_object CHECK (pg_catalog.jsonb_typeof(payload) = 'object'),
+    CONSTRAINT events_headers_object CHECK (pg_catalog.jsonb_typeof(headers) = 'object')
+);
+ALTER SEQUENCE outbox.events_seq OWNED BY outbox.events.seq;
+
+COMMENT ON TABLE outbox.events IS
+    'The event log. Read it through outbox.read() or a sink; positions order by (txid, seq).';
+
+-- What readers and sinks receive. The position is text "<txid>:<seq>"; order by the log, never
+-- by this text.
+CREATE TYPE outbox.event AS (
+    id        uuid,
+    position  text,
+    topic     text,
+    subject   text,
+    tenant    text,
+    payload   jsonb,
+    headers   jsonb,
+    raised_at timestamptz
+);
+
+-- One row per consumer: its cursor is the position of the last event it has consumed.
+CREATE TABLE outbox.consumers (
+    name       text                   NOT NULL PRIMARY KEY,
+    kind       text                   NOT NULL DEFAULT 'pull' CHECK (kind IN ('pull', 'sink', 'subscription')),
+    txid       pg_catalog.xid8        NOT NULL,
+    seq        bigint                 NOT NULL,
+    -- The role that created the consumer; only its members (or a superuser) may move or drop it.
+    owner      oid                    NOT NULL,
+    -- Bumped by each outbox.rewind(): the only way the trigger below lets a cursor move back.
+    rewinds    bigint                 NOT NULL DEFAULT 0,
+    created_at timestamptz            NOT NULL DEFAULT pg_catalog.now(),
+    moved_at   timestamptz            NOT NULL DEFAULT pg_catalog.now()
+);
+
+-- Forward-only cursors, enforced by the database itself: whatever code path updates a cursor, a
+-- stale or concurrent writer cannot move it back. outbox.rewind() is the one way back, and it
+-- says so by bumping rewinds in the same UPDATE.
+CREATE FUNCTION outbox._cursor_forward_only() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF (NEW.txid, NEW.seq) < (OLD.txid, OLD.seq) AND NEW.rewinds <> OLD.rewinds + 1 THEN
+        RAISE EXCEPTION 'cursor of consumer "%" cannot move back from %:% to %:%',
+            OLD.name, OLD.txid, OLD.seq, NEW.txid, NEW.seq
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'outbox.rewind() moves a cursor back on purpose';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq ON outbox.consumers
+    FOR EACH ROW EXECUTE FUNCTION outbox._cursor_forward_only();
+
+-- THE READ RULE. Every reader in pg_outbox -- outbox.read(), the worker's sinks, the tests -- reads
+-- through this one function, and nowhere else.
+--
+-- Sequence numbers are drawn at insert but transactions commit in another order: A takes seq 41,
+-- B takes 42, B commits first. A reader that saw 42 and moved past it would never see 41. So only
+-- transactions older than the oldest one still running (the snapshot's xmin) are read: they have
+-- all ended, and nothing can commit behind a cursor any more. Ordering is by the columns, never
+-- by the text of a position.
+CREATE FUNCTION outbox._read_after(after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
+RETURNS SETOF outbox.event
+LANGUAGE sql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
+    SELECT e.id, e.txid::text || ':' || e.seq::text, e.topic, e.subject, e.tenant, e.payload,
+           e.headers, e.raised_at
+      FROM outbox.events e
+     WHERE e.txid < pg_snapshot_xmin(pg_current_snapshot())
+       AND (e.txid, e.seq) > (after_txid, after_seq)
+     ORDER BY e.txid, e.seq
+     LIMIT max_events
+$$;
+
+CREATE FUNCTION outbox.read(consumer text, max_events integer DEFAULT 100)
+RETURNS SETOF outbox.event
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c outbox.consumers;
+BEGIN
+    IF consumer IS NULL THEN
+        RAISE EXCEPTION 'consumer must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF max_events IS NULL OR max_events < 1 OR max_events > 100000 THEN
+        RAISE EXCEPTION 'max_events must be between 1 and 100000, not %', coalesce(max_events::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO c FROM outbox.consumers WHERE name = consumer;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'consumer "%" does not exist', consumer
+            USING ERRCODE = 'undefined_object',
+                  HINT = 'create it with outbox.create_consumer()';
+    END IF;
+    RETURN QUERY SELECT * FROM outbox._read_after(c.txid, c.seq, max_events);
+END
+$$;
+
+COMMENT ON FUNCTION outbox.read(text, integer) IS
+    'The next events after the consumer''s cursor, in log order; does not move the cursor.';

@@ -1,0 +1,96 @@
+//! In-backend tests (`cargo pgrx test`): each runs inside one transaction that is rolled back, so
+//! they cover what a single transaction can see. Commit-time behaviour, concurrency and every
+//! refusal's SQLSTATE are tested from clients in `tests/`.
+
+#[pgrx::pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    fn one<T: pgrx::FromDatum + pgrx::IntoDatum>(sql: &str) -> T {
+        Spi::get_one::<T>(sql)
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .unwrap_or_else(|| panic!("{sql}: NULL"))
+    }
+
+    #[pg_test]
+    fn events_of_a_running_transaction_are_not_readable_even_by_itself() {
+        Spi::run("SELECT outbox.create_consumer('self')").unwrap();
+        Spi::run("SELECT outbox.raise('order.placed', '{\"order\": 1}')").unwrap();
+        assert_eq!(one::<i64>("SELECT count(*) FROM outbox.events"), 1);
+        assert_eq!(one::<i64>("SELECT count(*) FROM outbox.read('self')"), 0);
+        // The event carries this transaction's id: the horizon is at or below it.
+        assert!(one::<bool>(
+            "SELECT txid = pg_current_xact_id() AND txid >= pg_snapshot_xmin(pg_current_snapshot()) FROM outbox.events"
+        ));
+    }
+
+    #[pg_test]
+    fn events_in_one_transaction_take_increasing_positions() {
+        Spi::run("SELECT outbox.raise('a.b') FROM generate_series(1, 200)").unwrap();
+        Spi::run("SELECT outbox.raise_many(ARRAY['a.c'], array_fill('{}'::jsonb, ARRAY[300]))")
+            .unwrap();
+        assert!(one::<bool>(
+            "SELECT bool_and(seq > prev) FROM (SELECT seq, lag(seq, 1, 0::bigint) OVER (ORDER BY seq) prev FROM outbox.events) s"
+        ));
+        assert_eq!(
+            one::<i64>("SELECT count(DISTINCT txid) FROM outbox.events"),
+            1
+        );
+    }
+
+    #[pg_test]
+    fn the_log_has_only_the_index_readers_and_pruning_need() {
+        assert_eq!(
+            one::<i64>("SELECT count(*) FROM pg_index WHERE indrelid = 'outbox.events'::regclass"),
+            1
+        );
+        assert_eq!(
+            one::<String>(
+                "SELECT pg_get_indexdef(indexrelid) FROM pg_index WHERE indrelid = 'outbox.events'::regclass"
+            ),
+            "CREATE UNIQUE INDEX events_pkey ON outbox.events USING btree (txid, seq)"
+        );
+    }
+
+    #[pg_test]
+    fn public_gets_nothing_and_raise_runs_as_owner() {
+        Spi::run("CREATE ROLE outbox_test_nobody").unwrap();
+        for (object, check) in [
+            ("outbox.events", "has_table_privilege('outbox_test_nobody', 'outbox.events', 'SELECT,INSERT,UPDATE,DELETE')"),
+            ("outbox.consumers", "has_table_privilege('outbox_test_nobody', 'outbox.consumers', 'SELECT,INSERT,UPDATE,DELETE')"),
+            ("schema", "has_schema_privilege('outbox_test_nobody', 'outbox', 'USAGE')"),
+            ("raise", "has_function_privilege('outbox_test_nobody', 'outbox.raise(text,jsonb,text,text,jsonb)', 'EXECUTE')"),
+            ("read", "has_function_privilege('outbox_test_nobody', 'outbox.read(text,integer)', 'EXECUTE')"),
+        ] {
+            assert!(!one::<bool>(&format!("SELECT {check}")), "PUBLIC can use {object}");
+        }
+        assert_eq!(
+            one::<i64>(
+                "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+                  WHERE n.nspname = 'outbox' AND p.proname IN ('raise', 'raise_many', 'read') AND p.prosecdef"
+            ),
+            3
+        );
+        // Every SQL-language and plpgsql function pins its search_path.
+        assert_eq!(
+            one::<i64>(
+                "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+                   JOIN pg_language l ON l.oid = p.prolang \
+                  WHERE n.nspname = 'outbox' AND l.lanname IN ('sql', 'plpgsql') \
+                    AND NOT coalesce('search_path=pg_catalog, pg_temp' = ANY (p.proconfig), false)"
+            ),
+            0
+        );
+    }
+
+    #[pg_test]
+    fn the_event_type_is_what_readers_receive() {
+        assert_eq!(
+            one::<String>(
+                "SELECT string_agg(attname || ' ' || format_type(atttypid, atttypmod), ', ' ORDER BY attnum) \
+                   FROM pg_attribute WHERE attrelid = (SELECT typrelid FROM pg_type WHERE oid = 'outbox.event'::regtype) AND attnum > 0"
+            ),
+            "id uuid, position text, topic text, subject text, tenant text, payload jsonb, headers jsonb, raised_at timestamp with time zone"
+        );
+    }
+}

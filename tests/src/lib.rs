@@ -1,0 +1,261 @@
+//! A throwaway PostgreSQL 15 cluster with pg_outbox preloaded, for client-side tests.
+//!
+//! Each test binary starts one cluster on first use (a unix socket under /tmp, no TCP) and stops
+//! and deletes it when the process exits. The extension must be installed in the system
+//! PostgreSQL first (`scripts/test.sh` does it). Tests take a fresh database each, and hold a
+//! lock while they run: the read horizon is cluster-wide, so a test that holds a transaction open
+//! would stall another test's reader.
+//!
+//! Nothing here sleeps a fixed time to wait for the server: `eventually` polls with a deadline.
+
+use postgres::{Client, NoTls};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+pub use postgres;
+
+const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+
+pub struct Cluster {
+    dir: PathBuf,
+    port: u16,
+}
+
+static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+static SERIAL: Mutex<()> = Mutex::new(());
+static DB_COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Runs a PostgreSQL binary, as `postgres` when we are root (the server refuses root).
+fn pg_command(bin: &str) -> Command {
+    let path = format!("{PG_BIN}/{bin}");
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--", &path]);
+        c
+    } else {
+        Command::new(path)
+    }
+}
+
+fn run(mut cmd: Command, what: &str) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+extern "C" fn stop_cluster_at_exit() {
+    if let Some(c) = CLUSTER.get() {
+        c.stop();
+    }
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let dir = PathBuf::from(format!("/tmp/pg_outbox_it.{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("creating the cluster directory");
+        if is_root() {
+            run(
+                {
+                    let mut c = Command::new("chown");
+                    c.args(["postgres:postgres", dir.to_str().unwrap()]);
+                    c
+                },
+                "chown",
+            );
+        }
+        let data = dir.join("data");
+        let mut initdb = pg_command("initdb");
+        initdb.args([
+            "-D",
+            data.to_str().unwrap(),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "--locale=C.UTF-8",
+            "-E",
+            "UTF8",
+        ]);
+        run(initdb, "initdb");
+        let port = 40000 + (std::process::id() % 20000) as u16;
+        let conf = format!(
+            "listen_addresses = ''\nunix_socket_directories = '{}'\nport = {port}\n\
+             shared_preload_libraries = 'pg_outbox'\nfsync = off\nmax_prepared_transactions = 4\n\
+             log_min_messages = warning\n",
+            dir.display()
+        );
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(data.join("postgresql.conf"))
+            .and_then(|mut f| std::io::Write::write_all(&mut f, conf.as_bytes()))
+            .expect("writing postgresql.conf");
+        let mut start = pg_command("pg_ctl");
+        start.args([
+            "-D",
+            data.to_str().unwrap(),
+            "-l",
+            dir.join("log").to_str().unwrap(),
+            "-w",
+            "-t",
+            "60",
+            "start",
+        ]);
+        run(start, "pg_ctl start");
+        // SAFETY: registering a plain extern "C" fn; it only reads the OnceLock.
+        unsafe { libc::atexit(stop_cluster_at_exit) };
+        Cluster { dir, port }
+    }
+
+    fn stop(&self) {
+        let mut stop = pg_command("pg_ctl");
+        stop.args([
+            "-D",
+            self.dir.join("data").to_str().unwrap(),
+            "-m",
+            "immediate",
+            "-w",
+            "stop",
+        ]);
+        let _ = stop.output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+
+    pub fn socket_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The server log so far (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+    }
+
+    pub fn connect(&self, db: &str, user: &str) -> Client {
+        postgres::Config::new()
+            .host_path(&self.dir)
+            .port(self.port)
+            .user(user)
+            .dbname(db)
+            .application_name("pg_outbox_tests")
+            .connect(NoTls)
+            .unwrap_or_else(|e| panic!("connecting to {db} as {user}: {e}"))
+    }
+}
+
+/// One test's database, with pg_outbox created in it. Holds the test lock while alive.
+pub struct TestDb {
+    pub name: String,
+    cluster: &'static Cluster,
+    _serial: MutexGuard<'static, ()>,
+}
+
+impl TestDb {
+    /// A superuser connection.
+    pub fn connect(&self) -> Client {
+        self.cluster.connect(&self.name, "postgres")
+    }
+
+    /// A connection as another role (created by the test).
+    pub fn connect_as(&self, role: &str) -> Client {
+        self.cluster.connect(&self.name, role)
+    }
+
+    pub fn cluster(&self) -> &'static Cluster {
+        self.cluster
+    }
+}
+
+/// A fresh database with `CREATE EXTENSION pg_outbox`, on this binary's cluster.
+pub fn test_db(label: &str) -> TestDb {
+    let serial = SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let cluster = CLUSTER.get_or_init(Cluster::start);
+    let n = DB_COUNTER.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let name = format!("t{n}_{label}");
+    let mut admin = cluster.connect("postgres", "postgres");
+    admin
+        .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+        .expect("CREATE DATABASE");
+    let mut c = cluster.connect(&name, "postgres");
+    c.batch_execute("CREATE EXTENSION pg_outbox")
+        .unwrap_or_else(|e| panic!("CREATE EXTENSION: {e}\n{}", cluster.log()));
+    TestDb {
+        name,
+        cluster,
+        _serial: serial,
+    }
+}
+
+/// Polls `probe` until it returns Some, or panics with `what` after `deadline`.
+pub fn eventually<T>(what: &str, deadline: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = probe() {
+            return v;
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The SQLSTATE of the error `sql` raises (panics if it succeeds).
+pub fn sqlstate(client: &mut Client, sql: &str) -> String {
+    match client.batch_execute(sql) {
+        Ok(()) => panic!("expected an error from: {sql}"),
+        Err(e) => {
+            let db = e
+                .as_db_error()
+                .unwrap_or_else(|| panic!("not a server error from {sql}: {e}"));
+            db.code().code().to_string()
+        }
+    }
+}
+
+/// The error message `sql` raises (panics if it succeeds).
+pub fn error_message(client: &mut Client, sql: &str) -> String {
+    match client.batch_execute(sql) {
+        Ok(()) => panic!("expected an error from: {sql}"),
+        Err(e) => e
+            .as_db_error()
+            .map(|d| d.message().to_string())
+            .unwrap_or_else(|| e.to_string()),
+    }
+}
+
+/// Events as a reader sees them: (position, topic, payload text) read through the read rule.
+pub fn read(client: &mut Client, consumer: &str, max: i32) -> Vec<(String, String, String)> {
+    client
+        .query(
+            "SELECT position, topic, payload::text FROM outbox.read($1, $2)",
+            &[&consumer, &max],
+        )
+        .expect("outbox.read")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+/// Splits a position "<txid>:<seq>" into numbers, for ordering checks in tests.
+pub fn position(text: &str) -> (u64, i64) {
+    let (t, s) = text.split_once(':').expect("position has a colon");
+    (t.parse().unwrap(), s.parse().unwrap())
+}

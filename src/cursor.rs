@@ -28,8 +28,8 @@ fn position_from(txid: Option<String>, seq: Option<i64>) -> Position {
 
 /// Looks a consumer up (as the owner) and locks its row against concurrent changes.
 fn lookup_for_update(consumer: &str) -> Option<Consumer> {
-    Spi::connect(|client| {
-        let rows = client.select(
+    Spi::connect_mut(|client| {
+        let rows = client.update(
             "SELECT owner, txid::text, seq FROM outbox.consumers WHERE name = $1 FOR UPDATE",
             None,
             &[DatumWithOid::from(consumer)],
@@ -123,8 +123,8 @@ fn create_consumer(name: Option<&str>, start_at: default!(Option<&str>, "'origin
 /// false, and leaves the cursor alone, when that would not move it forward.
 #[pg_extern(volatile, parallel_unsafe)]
 fn advance(consumer: Option<&str>, position: Option<&str>) -> bool {
-    let (consumer, _) = owned_consumer(consumer, "advance");
     let target = readable_position(position, "position");
+    let (consumer, _) = owned_consumer(consumer, "advance");
     as_owner(|| {
         let args = cursor_args(&consumer, target);
         // The condition, not the caller, decides: a late save from a holder that lost its lease
@@ -147,8 +147,8 @@ fn advance(consumer: Option<&str>, position: Option<&str>) -> bool {
 /// position it had before. Events already pruned do not come back.
 #[pg_extern(volatile, parallel_unsafe)]
 fn rewind(consumer: Option<&str>, position: Option<&str>) -> String {
-    let (consumer, found) = owned_consumer(consumer, "rewind");
     let target = readable_position(position, "position");
+    let (consumer, found) = owned_consumer(consumer, "rewind");
     as_owner(|| {
         Spi::run_with_args(
             "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, rewinds = rewinds + 1, \

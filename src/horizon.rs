@@ -100,12 +100,11 @@ fn horizon() -> TableIterator<
     let h = read_rule::horizon();
     let (pid, datname, usename, xid_age, xact_age, state, query) = holder(h);
     let waiting = as_owner(|| {
-        Spi::get_one_with_args::<i64>(
+        crate::query::one::<i64>(
             "SELECT count(*) FROM outbox.events WHERE txid >= $1::xid8",
             &[DatumWithOid::from(h.to_string())],
         )
     })
-    .expect("counting waiting events")
     .unwrap_or(0);
     TableIterator::once((
         h.to_string(),

@@ -10,6 +10,7 @@ mod error;
 mod horizon;
 mod owner;
 mod prune;
+mod query;
 mod raise;
 mod raw;
 mod read_rule;

@@ -16,15 +16,15 @@ use pgrx::prelude::*;
 /// The highest position pruning may reach: the lowest cursor, and never past the horizon.
 fn prune_bound() -> Position {
     let horizon = Position::at_horizon(read_rule::horizon());
-    let lowest = Spi::get_two::<String, i64>(
+    let lowest = crate::query::two::<String, i64>(
         "SELECT txid::text, seq FROM outbox.consumers ORDER BY txid, seq LIMIT 1",
+        &[],
     );
     match lowest {
-        Ok((Some(txid), Some(seq))) => {
+        Some((Some(txid), Some(seq))) => {
             Position::new(txid.parse().expect("xid8 prints as an integer"), seq).min(horizon)
         }
-        Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => horizon,
-        Err(e) => panic!("reading cursors: {e}"),
+        _ => horizon,
     }
 }
 
@@ -45,12 +45,10 @@ fn prune(
         ))
         .report();
     }
-    let negative = Spi::get_one_with_args::<bool>(
+    let negative = crate::query::one::<bool>(
         "SELECT $1 OPERATOR(pg_catalog.<) '0'::pg_catalog.interval",
         &[DatumWithOid::from(retention)],
     )
-    .ok()
-    .flatten()
     .unwrap_or(false);
     if negative {
         Error::from(Invalid::new(

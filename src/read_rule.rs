@@ -5,14 +5,12 @@
 //! still running anywhere in the cluster. Everything older has ended, so a position below the
 //! horizon can have been handed to a reader and nothing can commit behind it any more.
 
-use pgrx::prelude::*;
-
 /// `pg_snapshot_xmin(pg_current_snapshot())` of the current statement, as a full 64-bit xid.
 pub fn horizon() -> u64 {
-    let text = Spi::get_one::<String>(
+    let text = crate::query::one::<String>(
         "SELECT pg_catalog.pg_snapshot_xmin(pg_catalog.pg_current_snapshot())::text",
+        &[],
     )
-    .expect("pg_current_snapshot() cannot fail")
     .expect("a snapshot always has an xmin");
     text.parse().expect("xid8 prints as an unsigned integer")
 }

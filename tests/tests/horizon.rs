@@ -27,13 +27,13 @@ fn a_held_transaction_is_named_and_releasing_it_lets_events_through() {
 
     // A forgotten transaction in *another* database holds every reader back.
     let mut admin = db.cluster().connect("postgres", "postgres");
-    admin
-        .batch_execute("BEGIN; SELECT pg_current_xact_id(); SELECT 'the forgotten transaction'")
-        .unwrap();
     let holder_pid: i32 = admin
         .query_one("SELECT pg_backend_pid()", &[])
         .unwrap()
         .get(0);
+    admin
+        .batch_execute("BEGIN; SELECT pg_current_xact_id(), 'the forgotten transaction'")
+        .unwrap();
 
     c.batch_execute(
         "SELECT outbox.raise('behind.horizon', '{}'); SELECT outbox.raise('behind.horizon', '{}')",
@@ -56,10 +56,8 @@ fn a_held_transaction_is_named_and_releasing_it_lets_events_through() {
         r.get::<_, Option<String>>(5).as_deref(),
         Some("idle in transaction")
     );
-    assert!(r
-        .get::<_, Option<String>>(6)
-        .unwrap()
-        .contains("the forgotten transaction"));
+    let query = r.get::<_, Option<String>>(6).unwrap();
+    assert!(query.contains("the forgotten transaction"), "{query}");
 
     admin.batch_execute("COMMIT").unwrap();
     let got = eventually("events after release", Duration::from_secs(10), || {

@@ -16,10 +16,9 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 
-# postgresql-15-pgq3 is here because the benchmarks measure against PgQ in the same run.
 need=()
 for p in postgresql-15 postgresql-server-dev-15 postgresql-contrib libclang-dev clang pkg-config \
-         libssl-dev sudo postgresql-15-pgq3; do
+         libssl-dev sudo; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if ((${#need[@]})); then

@@ -17,17 +17,18 @@ use std::cell::RefCell;
 const RAISE_SQL: &str = "INSERT INTO outbox.events (id, topic, subject, tenant, payload, headers) \
      VALUES ($1, $2, $3, $4, coalesce($5, '{}'::pg_catalog.jsonb), coalesce($6, '{}'::pg_catalog.jsonb))";
 
-// Parallel arrays; a one-element header array was turned into $7 by the caller, because unnest
-// pads a short array with NULLs rather than repeating it.
+// Parallel arrays: for each column either $array (one element per event) or $scalar (one value
+// for all) is set, never both; see `Spread`.
 const RAISE_MANY_SQL: &str = "INSERT INTO outbox.events (id, topic, subject, tenant, payload, headers) \
-     SELECT t.id, t.topic, t.subject, t.tenant, coalesce(t.payload, '{}'::pg_catalog.jsonb), \
-            coalesce(t.headers, $7, '{}'::pg_catalog.jsonb) \
+     SELECT t.id, coalesce(t.topic, $4), coalesce(t.subject, $6), coalesce(t.tenant, $8), \
+            coalesce(t.payload, '{}'::pg_catalog.jsonb), coalesce(t.headers, $10, '{}'::pg_catalog.jsonb) \
        FROM ROWS FROM (pg_catalog.unnest($1), pg_catalog.unnest($2), pg_catalog.unnest($3), \
-                       pg_catalog.unnest($4), pg_catalog.unnest($5), pg_catalog.unnest($6)) \
-            AS t(id, topic, subject, tenant, payload, headers)";
+                       pg_catalog.unnest($5), pg_catalog.unnest($7), pg_catalog.unnest($9)) \
+            AS t(id, payload, topic, subject, tenant, headers)";
 
 thread_local! {
     static RAISE_PLAN: RefCell<Option<OwnedPreparedStatement>> = const { RefCell::new(None) };
+    static RAISE_MANY_PLAN: RefCell<Option<OwnedPreparedStatement>> = const { RefCell::new(None) };
 }
 
 fn new_id() -> pgrx::Uuid {
@@ -105,6 +106,40 @@ fn raise(
     id
 }
 
+/// How one argument array of `raise_many` reaches the INSERT: the caller's array as it is (one
+/// element per event), its single element as a scalar (unnest pads a short array with NULLs, it
+/// does not repeat it), or nothing.
+enum Spread<A, E> {
+    Each(A),
+    All(E),
+    Absent,
+}
+
+impl<A: Copy, E: Clone> Spread<A, E> {
+    fn of(raw: Option<A>, elements: &Option<Vec<Option<E>>>, n: usize) -> Self {
+        match (raw, elements) {
+            (Some(_), Some(e)) if e.len() == 1 && n > 1 => {
+                e[0].clone().map_or(Spread::Absent, Spread::All)
+            }
+            (Some(a), Some(_)) => Spread::Each(a),
+            _ => Spread::Absent,
+        }
+    }
+
+    /// ($array, $scalar) parameters for `coalesce(t.column, $scalar)`.
+    fn params<'a>(self) -> [DatumWithOid<'a>; 2]
+    where
+        A: pgrx::IntoDatum,
+        E: pgrx::IntoDatum,
+    {
+        match self {
+            Spread::Each(a) => [DatumWithOid::from(Some(a)), DatumWithOid::null::<E>()],
+            Spread::All(e) => [DatumWithOid::null::<A>(), DatumWithOid::from(Some(e))],
+            Spread::Absent => [DatumWithOid::null::<A>(), DatumWithOid::null::<E>()],
+        }
+    }
+}
+
 /// Raises many events in one call: parallel arrays, one element per event, or a single element
 /// that applies to every event. Returns the ids in the order of `payloads`.
 #[pg_extern(volatile, parallel_unsafe, security_definer)]
@@ -116,86 +151,110 @@ fn raise_many(
     headers: default!(Option<RawJsonbArray>, "NULL"),
 ) -> Vec<pgrx::Uuid> {
     let payloads_raw = required(payloads, "payloads").or_report();
-    let payloads = payloads_raw.elements("payloads");
-    let headers_raw = headers;
-    let topics = topics.map(|a| a.strings("topics"));
-    let subjects = subjects.map(|a| a.strings("subjects"));
-    let tenants = tenants.map(|a| a.strings("tenants"));
-    let headers = headers.map(|a| a.elements("headers"));
-    let len = |v: &Option<Vec<_>>| v.as_ref().map(Vec::len);
+    let payload_elems = payloads_raw.elements("payloads");
+    let topic_elems = topics.map(|a| a.strings("topics"));
+    let subject_elems = subjects.map(|a| a.strings("subjects"));
+    let tenant_elems = tenants.map(|a| a.strings("tenants"));
+    let header_elems = headers.map(|a| a.elements("headers"));
+    let len = |v: &Option<Vec<Option<String>>>| v.as_ref().map(Vec::len);
     let n = batch::event_count(
-        payloads.len(),
+        payload_elems.len(),
         &[
             Column {
                 name: "topics",
-                len: len(&topics),
+                len: len(&topic_elems),
                 required: true,
             },
             Column {
                 name: "subjects",
-                len: len(&subjects),
+                len: len(&subject_elems),
                 required: false,
             },
             Column {
                 name: "tenants",
-                len: len(&tenants),
+                len: len(&tenant_elems),
                 required: false,
             },
             Column {
                 name: "headers",
-                len: headers.as_ref().map(Vec::len),
+                len: header_elems.as_ref().map(Vec::len),
                 required: false,
             },
         ],
     )
     .or_report();
-    let topics = topics.expect("event_count refuses NULL topics");
 
-    // Every column is spread to one element per event (unnest pads, it does not repeat), then
-    // checked element by element so an error can name the index the caller got wrong.
-    let spread = |column: Option<Vec<Option<String>>>| -> Vec<Option<String>> {
-        match column {
-            None => vec![None; n],
-            Some(v) => (0..n).map(|i| v[batch::pick(v.len(), i)].clone()).collect(),
-        }
-    };
-    let topics = spread(Some(topics));
-    let subjects = spread(subjects);
-    let tenants = spread(tenants);
-    for i in 0..n {
-        let at = |what: &str| format!("{what}[{}]", i + 1);
-        let topic = topics[i]
+    // Checked element by element, so an error names the index the caller got wrong.
+    let at = |what: &str, i: usize| format!("{what}[{}]", i + 1);
+    for (i, topic) in topic_elems.iter().flatten().enumerate() {
+        let topic = topic
             .as_deref()
-            .ok_or_else(|| Invalid::null(&at("topics")))
+            .ok_or_else(|| Invalid::null(&at("topics", i)))
             .or_report();
         topic::validate(topic).or_report();
-        check_attributes(subjects[i].as_deref(), tenants[i].as_deref()).or_report();
-        if payloads[i].is_some_and(|p| !p.is_object()) {
-            not_an_object(&at("payloads")).report();
+    }
+    for subject in subject_elems.iter().flatten().flatten() {
+        name::validate_subject(subject).or_report();
+    }
+    for tenant in tenant_elems.iter().flatten().flatten() {
+        name::validate_tenant(tenant).or_report();
+    }
+    for (what, column) in [
+        ("payloads", Some(&payload_elems)),
+        ("headers", header_elems.as_ref()),
+    ] {
+        for (i, value) in column.into_iter().flatten().enumerate() {
+            if value.is_some_and(|v| !v.is_object()) {
+                not_an_object(&at(what, i)).report();
+            }
         }
     }
-    for (i, h) in headers.iter().flatten().enumerate() {
-        if h.is_some_and(|h| !h.is_object()) {
-            not_an_object(&format!("headers[{}]", i + 1)).report();
-        }
-    }
-    // One header object for all events travels as $7; a full array goes through unnest.
-    let (header_array, header_all) = match &headers {
-        Some(h) if h.len() == 1 && n > 1 => (None, h[0]),
-        _ => (headers_raw, None),
-    };
 
     let ids: Vec<pgrx::Uuid> = (0..n).map(|_| new_id()).collect();
+    let [topic_each, topic_all] = Spread::of(topics, &topic_elems, n).params();
+    let [subject_each, subject_all] = Spread::of(subjects, &subject_elems, n).params();
+    let [tenant_each, tenant_all] = Spread::of(tenants, &tenant_elems, n).params();
+    let [header_each, header_all] = Spread::of(headers, &header_elems, n).params();
     let args = [
         DatumWithOid::from(ids.clone()),
-        DatumWithOid::from(topics),
-        DatumWithOid::from(subjects),
-        DatumWithOid::from(tenants),
         DatumWithOid::from(payloads_raw),
-        DatumWithOid::from(header_array),
-        DatumWithOid::from(header_all),
+        topic_each,
+        topic_all,
+        subject_each,
+        subject_all,
+        tenant_each,
+        tenant_all,
+        header_each,
+        header_all,
     ];
-    Spi::connect_mut(|client| client.update(RAISE_MANY_SQL, None, &args).map(|_| ()))
-        .unwrap_or_else(|e| panic!("raise_many failed: {e}"));
+    Spi::connect_mut(|client| {
+        RAISE_MANY_PLAN.with(|cell| {
+            let mut plan = cell.borrow_mut();
+            if plan.is_none() {
+                let text = PgOid::from(pg_sys::TEXTOID);
+                let texts = PgOid::from(pg_sys::TEXTARRAYOID);
+                let types = [
+                    PgOid::from(pg_sys::UUIDARRAYOID),
+                    PgOid::from(pg_sys::JSONBARRAYOID),
+                    texts,
+                    text,
+                    texts,
+                    text,
+                    texts,
+                    text,
+                    PgOid::from(pg_sys::JSONBARRAYOID),
+                    PgOid::from(pg_sys::JSONBOID),
+                ];
+                let prepared = client
+                    .prepare_mut(RAISE_MANY_SQL, &types)
+                    .expect("the raise_many INSERT prepares");
+                *plan = Some(prepared.keep());
+            }
+            client
+                .update(plan.as_ref().unwrap(), None, &args)
+                .map(|_| ())
+        })
+    })
+    .unwrap_or_else(|e| panic!("raise_many failed: {e}"));
     ids
 }

@@ -114,7 +114,7 @@ fn raise_many_keeps_order_broadcasts_single_elements_and_returns_ids() {
         .query_one(
             "SELECT outbox.raise_many(ARRAY['bulk.item'], \
                      ARRAY['{\"i\":1}','{\"i\":2}','{\"i\":3}', NULL]::jsonb[], \
-                     subjects => ARRAY['s1', NULL, 's3', 's4'], \
+                     subjects => ARRAY['s1', NULL, 's3', 's4'], tenants => ARRAY['acme'], \
                      headers => ARRAY['{\"h\":true}']::jsonb[])::text[]",
             &[],
         )
@@ -144,6 +144,14 @@ fn raise_many_keeps_order_broadcasts_single_elements_and_returns_ids() {
             Some("s4".into())
         ]
     );
+    let tenants: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.events WHERE tenant = 'acme'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(tenants, 4, "a one-element array applies to every event");
     let payloads: Vec<String> = rows.iter().map(|r| r.get(3)).collect();
     assert_eq!(
         payloads,
@@ -151,7 +159,7 @@ fn raise_many_keeps_order_broadcasts_single_elements_and_returns_ids() {
     );
 
     // Per-event topics and an empty batch.
-    c.batch_execute("SELECT outbox.raise_many(ARRAY['x.one','x.two'], ARRAY['{}','{}']::jsonb[])")
+    c.batch_execute("SELECT outbox.raise_many(ARRAY['x.one','x.two'], ARRAY['{}','{}']::jsonb[], headers => ARRAY['{\"k\":1}', NULL]::jsonb[])")
         .unwrap();
     let empty: Vec<String> = c
         .query_one(
@@ -163,6 +171,16 @@ fn raise_many_keeps_order_broadcasts_single_elements_and_returns_ids() {
     assert!(empty.is_empty());
     let topics: Vec<String> = read(&mut c, "r", 10).into_iter().map(|e| e.1).collect();
     assert_eq!(topics[4..], ["x.one", "x.two"]);
+    let headers: Vec<String> = c
+        .query(
+            "SELECT headers::text FROM outbox.events WHERE topic LIKE 'x.%' ORDER BY txid, seq",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(headers, [r#"{"k": 1}"#, "{}"]);
 }
 
 #[test]

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Benchmark: outbox.raise against a plain INSERT into a table of the same shape, indexes and
+# constraints, in one run on one throwaway cluster (fsync on, as in production). Prints events/s
+# and the ratio raise/INSERT for:
+#   - one event per transaction, 1 and 8 clients (pgbench, prepared statements)
+#   - 1,000 events per transaction (raise_many vs a multi-row INSERT), 1 and 2 clients
+# Rounds alternate between the two sides so drift on a shared machine hits both alike.
+#
+#   bash benches/raise.sh                 # 10 s per measurement, 2 rounds
+#   BENCH_SECONDS=3 BENCH_ROUNDS=1 bash benches/raise.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/cluster.sh
+
+SECONDS_PER=${BENCH_SECONDS:-10}
+ROUNDS=${BENCH_ROUNDS:-2}
+DIR=/tmp/pg_outbox-bench.$$
+PORT=$((30000 + $$ % 20000))
+
+bash scripts/setup.sh
+export PATH="$HOME/.cargo/bin:$PATH"
+echo "[bench] building and installing pg_outbox (release)" >&2
+cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >/dev/null
+
+trap 'cluster_stop "$DIR"' EXIT
+cluster_start "$DIR" "$PORT" "shared_buffers = '1GB'" "max_wal_size = '4GB'" "checkpoint_timeout = '30min'"
+cluster_psql "$DIR" "$PORT" -d postgres -c "CREATE DATABASE bench" >/dev/null
+psql_bench() { cluster_psql "$DIR" "$PORT" -d bench "$@"; }
+
+psql_bench <<'SQL' >/dev/null
+CREATE EXTENSION pg_outbox;
+-- The baseline: outbox.events' shape, defaults, constraints and single index, written directly.
+CREATE SCHEMA plain;
+CREATE SEQUENCE plain.events_seq AS bigint CACHE 64;
+CREATE TABLE plain.events (
+    txid      xid8        NOT NULL DEFAULT pg_current_xact_id(),
+    seq       bigint      NOT NULL DEFAULT nextval('plain.events_seq'),
+    id        uuid        NOT NULL DEFAULT gen_random_uuid(),
+    topic     text        NOT NULL,
+    subject   text,
+    tenant    text,
+    payload   jsonb       NOT NULL,
+    headers   jsonb       NOT NULL DEFAULT '{}',
+    raised_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (txid, seq),
+    CHECK (jsonb_typeof(payload) = 'object'),
+    CHECK (jsonb_typeof(headers) = 'object')
+);
+SQL
+
+W=$DIR/scripts
+mkdir -p "$W"
+PAYLOAD='{"order": 42, "amount": 150.5, "currency": "EUR", "customer": "c-1234"}'
+echo "SELECT outbox.raise('order.placed', '$PAYLOAD', subject => 'order/42');" >"$W/raise.sql"
+echo "INSERT INTO plain.events (topic, subject, payload) VALUES ('order.placed', 'order/42', '$PAYLOAD');" >"$W/insert.sql"
+cat >"$W/raise_many.sql" <<'SQL'
+SELECT outbox.raise_many(ARRAY['order.placed'],
+       array_agg(jsonb_build_object('order', i, 'amount', 150.5, 'currency', 'EUR'))) FROM generate_series(1, 1000) i;
+SQL
+cat >"$W/insert_many.sql" <<'SQL'
+INSERT INTO plain.events (topic, payload)
+SELECT 'order.placed', jsonb_build_object('order', i, 'amount', 150.5, 'currency', 'EUR') FROM generate_series(1, 1000) i;
+SQL
+
+# events/s of one pgbench run: tps times events per transaction.
+measure() {
+  local script=$1 clients=$2 per_tx=$3
+  psql_bench -c "TRUNCATE outbox.events, plain.events" -c "CHECKPOINT" >/dev/null
+  local tps
+  tps=$(pgbench -h "$DIR" -p "$PORT" -U postgres -n -M prepared -c "$clients" -j "$clients" \
+          -T "$SECONDS_PER" -f "$W/$script" bench 2>&1 |
+        awk '/^tps = / { print $3; exit }')
+  [ -n "$tps" ] || { echo "pgbench $script failed" >&2; exit 1; }
+  awk -v t="$tps" -v n="$per_tx" 'BEGIN { printf "%.0f", t * n }'
+}
+
+# Alternates the two scripts ROUNDS times; prints the mean events/s of each.
+compare() {
+  local ours=$1 theirs=$2 clients=$3 per_tx=$4
+  local a=0 b=0 r
+  for ((r = 0; r < ROUNDS; r++)); do
+    a=$((a + $(measure "$ours" "$clients" "$per_tx")))
+    b=$((b + $(measure "$theirs" "$clients" "$per_tx")))
+  done
+  echo "$((a / ROUNDS)) $((b / ROUNDS))"
+}
+
+printf '\npg_outbox raise benchmark: PostgreSQL %s, %s cores, fsync on, %s s x %s rounds per figure\n\n' \
+  "$(psql_bench -Atc 'SHOW server_version')" "$(nproc)" "$SECONDS_PER" "$ROUNDS"
+printf '%-44s %8s %14s %14s %8s\n' "case" "clients" "pg_outbox/s" "plain/s" "ratio"
+row() {
+  local label=$1 ours=$2 theirs=$3 clients=$4 per_tx=$5
+  read -r a b < <(compare "$ours" "$theirs" "$clients" "$per_tx")
+  printf '%-44s %8s %14s %14s %8s\n' "$label" "$clients" "$a" "$b" \
+    "$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')"
+}
+row "1 event/tx: raise vs INSERT" raise.sql insert.sql 1 1
+row "1 event/tx: raise vs INSERT" raise.sql insert.sql 8 1
+row "1000 events/tx: raise_many vs multi-row INSERT" raise_many.sql insert_many.sql 1 1000
+row "1000 events/tx: raise_many vs multi-row INSERT" raise_many.sql insert_many.sql 2 1000
+echo

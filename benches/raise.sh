@@ -20,7 +20,8 @@ PORT=$((30000 + $$ % 20000))
 bash scripts/setup.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 echo "[bench] building and installing pg_outbox (release)" >&2
-cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >/dev/null
+cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >"/tmp/pg_outbox-install.log" 2>&1 \
+  || { cat /tmp/pg_outbox-install.log; exit 1; }
 
 trap 'cluster_stop "$DIR"' EXIT
 cluster_start "$DIR" "$PORT" "shared_buffers = '1GB'" "max_wal_size = '4GB'" "checkpoint_timeout = '30min'"

@@ -22,7 +22,8 @@ fi
 bash scripts/setup.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 echo "[quickstart] building and installing pg_outbox (release; the first build takes a few minutes)" >&2
-cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >/dev/null
+cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >"/tmp/pg_outbox-install.log" 2>&1 \
+  || { cat /tmp/pg_outbox-install.log; exit 1; }
 
 cluster_stop "$DIR"
 cluster_start "$DIR" "$PORT"

@@ -8,6 +8,8 @@ pub mod batch;
 pub mod id;
 pub mod limits;
 pub mod name;
+pub mod pattern;
+pub mod policy;
 pub mod position;
 pub mod topic;
 

@@ -1,10 +1,10 @@
-//! Pull consumers and their cursors: create, advance, rewind, drop. (Reading is `outbox.read` in
+//! Consumers and their cursors: create, advance, rewind, drop. (Reading is `outbox.read` in
 //! `sql/schema.sql`, on top of the read rule.)
 //!
 //! A cursor is the position of the last event a consumer has consumed. It only moves forward:
-//! `advance` is a conditional UPDATE that applies only when the new position is greater, and a
-//! trigger on `outbox.consumers` refuses any other backward move; `rewind` is the one explicit,
-//! logged way back.
+//! `advance` (and a sink's delivery) is a conditional UPDATE that applies only when the new
+//! position is greater, and a trigger on `outbox.consumers` refuses any other backward move;
+//! `rewind` is the one explicit, logged way back.
 
 use crate::error::{Error, OrReport};
 use crate::owner::{acts_for, as_owner, caller};
@@ -13,32 +13,46 @@ use pg_outbox_core::{name as names, required, Position, StartAt};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 
-/// A consumer row as this module needs it.
-struct Consumer {
-    owner: pg_sys::Oid,
-    cursor: Position,
+/// Taken shared by whatever adds or moves back a cursor (create, rewind) and exclusive by prune,
+/// so that prune never computes its bound while a cursor behind it is being born.
+pub const CURSOR_LOCK: (i32, i32) = (0x6f75_7462, 1); // "outb"
+
+pub fn lock_cursors_shared() {
+    Spi::run_with_args(
+        "SELECT pg_catalog.pg_advisory_xact_lock_shared($1, $2)",
+        &[
+            DatumWithOid::from(CURSOR_LOCK.0),
+            DatumWithOid::from(CURSOR_LOCK.1),
+        ],
+    )
+    .expect("taking the cursor lock");
 }
 
-fn position_from(txid: Option<String>, seq: Option<i64>) -> Position {
-    let txid = txid
-        .and_then(|t| t.parse().ok())
-        .expect("consumers.txid is a NOT NULL xid8");
-    Position::new(txid, seq.expect("consumers.seq is NOT NULL"))
+/// A consumer row as this module needs it.
+pub struct Consumer {
+    pub owner: pg_sys::Oid,
+    pub kind: String,
+    pub cursor: Position,
 }
 
 /// Looks a consumer up (as the owner) and locks its row against concurrent changes.
 fn lookup_for_update(consumer: &str) -> Option<Consumer> {
     Spi::connect_mut(|client| {
         let rows = client.update(
-            "SELECT owner, txid::text, seq FROM outbox.consumers WHERE name = $1 FOR UPDATE",
+            "SELECT owner, kind, txid::text, seq FROM outbox.consumers WHERE name = $1 FOR UPDATE",
             None,
             &[DatumWithOid::from(consumer)],
         )?;
         let mut found = None;
         for row in rows {
+            let txid: String = row.get(3)?.expect("txid is NOT NULL");
             found = Some(Consumer {
                 owner: row.get::<pg_sys::Oid>(1)?.expect("owner is NOT NULL"),
-                cursor: position_from(row.get(2)?, row.get(3)?),
+                kind: row.get(2)?.expect("kind is NOT NULL"),
+                cursor: Position::new(
+                    txid.parse().expect("xid8 prints as an integer"),
+                    row.get(4)?.expect("seq"),
+                ),
             });
         }
         Ok::<_, pgrx::spi::Error>(found)
@@ -46,9 +60,9 @@ fn lookup_for_update(consumer: &str) -> Option<Consumer> {
     .expect("reading outbox.consumers")
 }
 
-/// Validates the arguments every cursor function shares and refuses a caller that does not act
-/// for the consumer's owner. Returns the consumer, its row locked.
-fn owned_consumer(consumer: Option<&str>, action: &'static str) -> (String, Consumer) {
+/// Validates a consumer (or sink) name argument and refuses a caller that does not act for its
+/// owner. Returns the consumer, its row locked.
+pub fn owned_consumer(consumer: Option<&str>, action: &'static str) -> (String, Consumer) {
     let consumer = required(consumer, "consumer").or_report();
     names::validate("consumer", consumer).or_report();
     let me = caller();
@@ -82,14 +96,8 @@ fn cursor_args(consumer: &str, p: Position) -> [DatumWithOid<'static>; 3] {
     ]
 }
 
-/// Creates a pull consumer and returns its starting cursor.
-///
-/// `start_at`: 'origin' (everything the log still holds), 'now' (only transactions not yet
-/// readable at creation), or a position to start after.
-#[pg_extern(volatile, parallel_unsafe)]
-fn create_consumer(name: Option<&str>, start_at: default!(Option<&str>, "'origin'")) -> String {
-    let consumer = required(name, "name").or_report();
-    names::validate("consumer", consumer).or_report();
+/// The cursor a new consumer or sink starts at; validated against the horizon.
+pub fn start_cursor(start_at: Option<&str>) -> Position {
     let start: StartAt = required(start_at, "start_at")
         .or_report()
         .parse()
@@ -100,39 +108,36 @@ fn create_consumer(name: Option<&str>, start_at: default!(Option<&str>, "'origin
             Error::BeyondHorizon { position, horizon }.report();
         }
     }
-    let cursor = start.cursor(horizon);
-    let me = caller();
-    let created = as_owner(|| {
-        let [n, t, s] = cursor_args(consumer, cursor);
-        Spi::get_one_with_args::<bool>(
-            "INSERT INTO outbox.consumers (name, kind, txid, seq, owner) \
-             VALUES ($1, 'pull', $2::xid8, $3, $4) ON CONFLICT (name) DO NOTHING RETURNING true",
-            &[n, t, s, DatumWithOid::from(me)],
-        )
-    });
-    match created {
-        Ok(Some(true)) => cursor.to_string(),
-        Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => {
-            Error::ConsumerExists(consumer.into()).report()
-        }
-        Err(e) => panic!("creating consumer: {e}"),
-    }
+    start.cursor(horizon)
 }
 
-/// Moves a consumer's cursor forward to `position` (the last event it has consumed). Returns
-/// false, and leaves the cursor alone, when that would not move it forward.
-#[pg_extern(volatile, parallel_unsafe)]
-fn advance(consumer: Option<&str>, position: Option<&str>) -> bool {
-    let target = readable_position(position, "position");
-    let (consumer, _) = owned_consumer(consumer, "advance");
+/// Inserts a consumer row (as the owner); false when the name is taken.
+pub fn insert_consumer(name: &str, kind: &str, cursor: Position, owner: pg_sys::Oid) -> bool {
+    let [n, t, s] = cursor_args(name, cursor);
     as_owner(|| {
-        let args = cursor_args(&consumer, target);
-        // The condition, not the caller, decides: a late save from a holder that lost its lease
-        // compares against the row as it is now and changes nothing.
+        Spi::get_one_with_args::<bool>(
+            "INSERT INTO outbox.consumers (name, kind, txid, seq, owner) \
+             VALUES ($1, $5, $2::xid8, $3, $4) ON CONFLICT (name) DO NOTHING RETURNING true",
+            &[n, t, s, DatumWithOid::from(owner), DatumWithOid::from(kind)],
+        )
+    })
+    .map(|inserted| inserted.unwrap_or(false))
+    .or_else(|e| match e {
+        pgrx::spi::Error::InvalidPosition => Ok(false),
+        e => Err(e),
+    })
+    .unwrap_or_else(|e| panic!("creating consumer: {e}"))
+}
+
+/// Moves a cursor forward to `to`; false (and nothing changed) when it is not ahead. The
+/// condition, not the caller, decides: a late save from a holder that lost its lease compares
+/// against the row as it is now and changes nothing.
+pub fn save(name: &str, to: Position) -> bool {
+    as_owner(|| {
         Spi::get_one_with_args::<bool>(
             "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, moved_at = now() \
               WHERE name = $1 AND (txid, seq) < ($2::xid8, $3) RETURNING true",
-            &args,
+            &cursor_args(name, to),
         )
     })
     .map(|moved| moved.unwrap_or(false))
@@ -140,14 +145,47 @@ fn advance(consumer: Option<&str>, position: Option<&str>) -> bool {
         pgrx::spi::Error::InvalidPosition => Ok(false),
         e => Err(e),
     })
-    .unwrap_or_else(|e| panic!("advancing consumer: {e}"))
+    .unwrap_or_else(|e| panic!("moving cursor of \"{name}\": {e}"))
 }
 
-/// Moves a consumer's cursor to `position`, backward or forward, on purpose. Logged. Returns the
-/// position it had before. Events already pruned do not come back.
+/// Creates a pull consumer and returns its starting cursor.
+///
+/// `start_at`: 'origin' (everything the log still holds), 'now' (only transactions not yet
+/// readable at creation), or a position to start after.
+#[pg_extern(volatile, parallel_unsafe)]
+fn create_consumer(name: Option<&str>, start_at: default!(Option<&str>, "'origin'")) -> String {
+    let consumer = required(name, "name").or_report();
+    names::validate("consumer", consumer).or_report();
+    lock_cursors_shared();
+    let cursor = start_cursor(start_at);
+    if !insert_consumer(consumer, "pull", cursor, caller()) {
+        Error::ConsumerExists(consumer.into()).report();
+    }
+    cursor.to_string()
+}
+
+/// Moves a pull consumer's cursor forward to `position` (the last event it has consumed).
+/// Returns false, and leaves the cursor alone, when that would not move it forward.
+#[pg_extern(volatile, parallel_unsafe)]
+fn advance(consumer: Option<&str>, position: Option<&str>) -> bool {
+    let target = readable_position(position, "position");
+    let (consumer, found) = owned_consumer(consumer, "advance");
+    if found.kind != "pull" {
+        Error::NotPull {
+            name: consumer,
+            kind: found.kind,
+        }
+        .report();
+    }
+    save(&consumer, target)
+}
+
+/// Moves a consumer's (or sink's) cursor to `position`, backward or forward, on purpose. Logged.
+/// Returns the position it had before. Events already pruned do not come back.
 #[pg_extern(volatile, parallel_unsafe)]
 fn rewind(consumer: Option<&str>, position: Option<&str>) -> String {
     let target = readable_position(position, "position");
+    lock_cursors_shared();
     let (consumer, found) = owned_consumer(consumer, "rewind");
     as_owner(|| {
         Spi::run_with_args(
@@ -157,11 +195,11 @@ fn rewind(consumer: Option<&str>, position: Option<&str>) -> String {
         )
     })
     .unwrap_or_else(|e| panic!("rewinding consumer: {e}"));
+    // SAFETY: the caller's role exists while it is calling; noerr returns NULL otherwise.
     let by = unsafe {
-        // SAFETY: the caller's role exists while it is calling; noerr returns NULL otherwise.
         let name = pg_sys::GetUserNameFromId(caller(), true);
         if name.is_null() {
-            "?".into()
+            "?".to_string()
         } else {
             std::ffi::CStr::from_ptr(name)
                 .to_string_lossy()
@@ -169,16 +207,25 @@ fn rewind(consumer: Option<&str>, position: Option<&str>) -> String {
         }
     };
     pgrx::log!(
-        "pg_outbox: consumer \"{consumer}\" rewound from {} to {target} by role \"{by}\"",
-        found.cursor
+        "pg_outbox: {} \"{consumer}\" rewound from {} to {target} by role {}",
+        found.kind,
+        found.cursor,
+        pgrx::spi::quote_identifier(&by)
     );
     found.cursor.to_string()
 }
 
-/// Drops a consumer and its cursor. Events it alone was holding become prunable.
+/// Drops a pull consumer and its cursor. Events it alone was holding become prunable.
 #[pg_extern(volatile, parallel_unsafe)]
 fn drop_consumer(name: Option<&str>) {
-    let (consumer, _) = owned_consumer(name, "drop");
+    let (consumer, found) = owned_consumer(name, "drop");
+    if found.kind != "pull" {
+        Error::NotPull {
+            name: consumer,
+            kind: found.kind,
+        }
+        .report();
+    }
     as_owner(|| {
         Spi::run_with_args(
             "DELETE FROM outbox.consumers WHERE name = $1",

@@ -25,6 +25,27 @@ pub enum Error {
     },
     /// The installed SQL objects are missing (extension dropped, or a half-installed schema).
     NotInstalled,
+    /// A feature that needs the background workers, without pg_outbox preloaded.
+    NotPreloaded,
+    /// A pull-consumer operation on a sink (or the other way round).
+    NotPull {
+        name: String,
+        kind: String,
+    },
+    NotASink(String),
+    NoDeadLetter {
+        sink: String,
+        position: Position,
+    },
+    /// A handler whose signature is not `(outbox.event[])`.
+    BadHandler {
+        handler: String,
+        why: String,
+    },
+    /// The caller may not execute the handler it registers.
+    HandlerNotExecutable(String),
+    /// An operation that needs READ COMMITTED (fresh snapshots per statement).
+    Isolation(&'static str),
 }
 
 impl From<Invalid> for Error {
@@ -48,6 +69,13 @@ impl Error {
             Error::NotOwner { .. } => ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::BeyondHorizon { .. } => ERRCODE_INVALID_PARAMETER_VALUE,
             Error::NotInstalled => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            Error::NotPreloaded => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            Error::NotPull { .. } => ERRCODE_WRONG_OBJECT_TYPE,
+            Error::NotASink(_) => ERRCODE_WRONG_OBJECT_TYPE,
+            Error::NoDeadLetter { .. } => ERRCODE_UNDEFINED_OBJECT,
+            Error::BadHandler { .. } => ERRCODE_INVALID_FUNCTION_DEFINITION,
+            Error::HandlerNotExecutable(_) => ERRCODE_INSUFFICIENT_PRIVILEGE,
+            Error::Isolation(_) => ERRCODE_ACTIVE_SQL_TRANSACTION,
         }
     }
 
@@ -63,6 +91,19 @@ impl Error {
                 format!("position {position} is beyond the read horizon")
             }
             Error::NotInstalled => "pg_outbox is not installed in this database".into(),
+            Error::NotPreloaded => {
+                "pg_outbox is not preloaded: its background workers are not running".into()
+            }
+            Error::NotPull { name, kind } => format!("\"{name}\" is a {kind}, not a pull consumer"),
+            Error::NotASink(name) => format!("\"{name}\" is not a sink"),
+            Error::NoDeadLetter { sink, position } => {
+                format!("sink \"{sink}\" has no dead letter at position {position}")
+            }
+            Error::BadHandler { handler, why } => format!("handler {handler} {why}"),
+            Error::HandlerNotExecutable(handler) => {
+                format!("permission denied to register handler {handler}")
+            }
+            Error::Isolation(what) => format!("{what} must run in a READ COMMITTED transaction"),
         }
     }
 
@@ -86,6 +127,20 @@ impl Error {
                 Some("advance only to positions that outbox.read() returned".into())
             }
             Error::NotInstalled => Some("run CREATE EXTENSION pg_outbox".into()),
+            Error::NotPreloaded => Some(
+                "add pg_outbox to shared_preload_libraries in postgresql.conf and restart the server".into(),
+            ),
+            Error::NotPull { kind, .. } if kind == "sink" => {
+                Some("a sink's cursor moves with its deliveries; use outbox.drop_sink() or outbox.rewind()".into())
+            }
+            Error::NotASink(_) => Some("outbox.replay() re-delivers a sink's dead letters".into()),
+            Error::BadHandler { .. } => Some(
+                "a sink handler is a function taking one argument of type outbox.event[]; raising an error fails the batch".into(),
+            ),
+            Error::HandlerNotExecutable(_) => {
+                Some("the registering role needs EXECUTE on the handler; the handler runs as that role".into())
+            }
+            Error::Isolation(_) => Some("it needs to see cursors committed while it waited".into()),
             _ => None,
         }
     }

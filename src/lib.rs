@@ -6,6 +6,7 @@
 use pgrx::prelude::*;
 
 mod cursor;
+mod dispatch;
 mod error;
 mod horizon;
 mod owner;
@@ -14,6 +15,11 @@ mod query;
 mod raise;
 mod raw;
 mod read_rule;
+mod replay;
+mod settings;
+mod sink;
+mod transaction;
+mod worker;
 
 #[cfg(any(test, feature = "pg_test"))]
 mod tests;
@@ -22,12 +28,22 @@ pgrx::pg_module_magic!();
 
 // The schema, the log, the cursor table and the read rule, before any function that uses them.
 pgrx::extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
+pgrx::extension_sql_file!("sql/sinks.sql", name = "sinks", requires = ["schema"]);
+pgrx::extension_sql_file!("sql/status.sql", name = "status", requires = ["sinks"]);
 
 // Last: nothing is usable by PUBLIC until a DBA grants it (see the README's "Privileges").
 pgrx::extension_sql_file!("sql/privileges.sql", name = "privileges", finalize);
 
 #[pg_guard]
-pub extern "C-unwind" fn _PG_init() {}
+pub extern "C-unwind" fn _PG_init() {
+    settings::init();
+    // SAFETY: reads a postmaster global. Only a preload may request shared memory and register
+    // workers; CREATE EXTENSION and plain LOAD get the SQL functions, and the ones that need the
+    // workers refuse with a hint (worker::preloaded()).
+    if unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+        worker::register();
+    }
+}
 
 /// Test-framework hooks: the cluster `cargo pgrx test` starts preloads pg_outbox as a real
 /// installation would.
@@ -36,6 +52,9 @@ pub mod pg_test {
     pub fn setup(_options: Vec<&str>) {}
 
     pub fn postgresql_conf_options() -> Vec<&'static str> {
-        vec!["shared_preload_libraries = 'pg_outbox'"]
+        vec![
+            "shared_preload_libraries = 'pg_outbox'",
+            "pg_outbox.database = 'pgrx_tests'",
+        ]
     }
 }

@@ -1,31 +1,91 @@
-//! `outbox.prune(retention)`: delete what every consumer has passed and the retention allows.
+//! Pruning: delete what every consumer has passed and the retention allows.
 //!
 //! An outbox that is never pruned takes the site down (pg_cron's run history did). One that is
 //! pruned carelessly loses events. So: only events behind the lowest cursor of every consumer (a
 //! consumer that never advanced holds the log) and behind the read horizon, only events older
-//! than the retention, in bounded batches in log order.
+//! than the retention, in bounded batches in log order. The worker calls it every
+//! `pg_outbox.prune_interval`; operators may call `outbox.prune()`.
 
+use crate::cursor::CURSOR_LOCK;
 use crate::error::{Error, OrReport};
 use crate::owner::as_owner;
 use crate::read_rule;
+use crate::settings;
 use pg_outbox_core::limits::PRUNE_BATCH_MAX;
 use pg_outbox_core::{required, Invalid, InvalidKind, Position};
 use pgrx::datum::{DatumWithOid, Interval};
 use pgrx::prelude::*;
 
 /// The highest position pruning may reach: the lowest cursor, and never past the horizon.
+///
+/// Takes the cursor lock exclusively first, then reads the cursors with a fresh snapshot: a
+/// consumer created (or rewound) concurrently has either committed and is seen, or waits for
+/// this transaction and then reads the log as pruned.
 fn prune_bound() -> Position {
+    Spi::run_with_args(
+        "SELECT pg_catalog.pg_advisory_xact_lock($1, $2)",
+        &[
+            DatumWithOid::from(CURSOR_LOCK.0),
+            DatumWithOid::from(CURSOR_LOCK.1),
+        ],
+    )
+    .expect("taking the cursor lock");
     let horizon = Position::at_horizon(read_rule::horizon());
-    let lowest = crate::query::two::<String, i64>(
+    // The read-write path on purpose: it takes a snapshot newer than the lock.
+    let lowest = Spi::get_two::<String, i64>(
         "SELECT txid::text, seq FROM outbox.consumers ORDER BY txid, seq LIMIT 1",
-        &[],
     );
     match lowest {
-        Some((Some(txid), Some(seq))) => {
+        Ok((Some(txid), Some(seq))) => {
             Position::new(txid.parse().expect("xid8 prints as an integer"), seq).min(horizon)
         }
-        _ => horizon,
+        Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => horizon,
+        Err(e) => panic!("reading cursors: {e}"),
     }
+}
+
+/// Deletes prunable events raised before `cutoff_sql` (an SQL expression over $4), in batches of
+/// `batch_size`. Runs as the owner.
+fn prune_events(retention: DatumWithOid<'_>, cutoff_sql: &str, batch_size: i32) -> i64 {
+    // SAFETY: reads a backend global.
+    if unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32 {
+        Error::Isolation("outbox.prune()").report();
+    }
+    let sql = format!(
+        "WITH batch AS ( \
+            SELECT ctid, raised_at FROM outbox.events \
+             WHERE (txid, seq) <= ($1::xid8, $2) \
+             ORDER BY txid, seq LIMIT $3), \
+         gone AS ( \
+            DELETE FROM outbox.events WHERE ctid = ANY (ARRAY( \
+                SELECT ctid FROM batch WHERE raised_at < {cutoff_sql})) \
+            RETURNING 1) \
+         SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM gone)"
+    );
+    as_owner(|| {
+        let bound = prune_bound();
+        let mut total = 0i64;
+        loop {
+            let (scanned, deleted) = Spi::get_two_with_args::<i64, i64>(
+                &sql,
+                &[
+                    DatumWithOid::from(bound.txid.to_string()),
+                    DatumWithOid::from(bound.seq),
+                    DatumWithOid::from(batch_size as i64),
+                    // SAFETY: the same value and type, once per batch.
+                    unsafe { DatumWithOid::new_from_datum(retention.datum(), retention.oid()) },
+                ],
+            )
+            .expect("pruning a batch");
+            let (scanned, deleted) = (scanned.unwrap_or(0), deleted.unwrap_or(0));
+            total += deleted;
+            // A short batch reached the bound; a batch with a kept (young) event reached the
+            // retained part of the log. Either way, the rest waits for a later call.
+            if scanned < batch_size as i64 || deleted < scanned {
+                break total;
+            }
+        }
+    })
 }
 
 /// Deletes events that every consumer has passed and that are older than `retention`; returns
@@ -57,36 +117,17 @@ fn prune(
         ))
         .report();
     }
+    prune_events(DatumWithOid::from(retention), "now() - $4", batch_size)
+}
 
-    as_owner(|| {
-        let bound = prune_bound();
-        let mut total = 0i64;
-        loop {
-            let (scanned, deleted) = Spi::get_two_with_args::<i64, i64>(
-                "WITH batch AS ( \
-                    SELECT ctid, raised_at FROM outbox.events \
-                     WHERE (txid, seq) <= ($1::xid8, $2) \
-                     ORDER BY txid, seq LIMIT $3), \
-                 gone AS ( \
-                    DELETE FROM outbox.events WHERE ctid = ANY (ARRAY( \
-                        SELECT ctid FROM batch WHERE raised_at < now() - $4)) \
-                    RETURNING 1) \
-                 SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM gone)",
-                &[
-                    DatumWithOid::from(bound.txid.to_string()),
-                    DatumWithOid::from(bound.seq),
-                    DatumWithOid::from(batch_size as i64),
-                    DatumWithOid::from(retention),
-                ],
-            )
-            .expect("pruning a batch");
-            let (scanned, deleted) = (scanned.unwrap_or(0), deleted.unwrap_or(0));
-            total += deleted;
-            // A short batch reached the bound; a batch with a kept (young) event reached the
-            // retained part of the log. Either way, the rest waits for a later call.
-            if scanned < batch_size as i64 || deleted < scanned {
-                break total;
-            }
-        }
-    })
+/// The worker's timed prune: `pg_outbox.retention`, batches of 10,000.
+pub fn prune_for_worker() -> i64 {
+    if !crate::dispatch::lock_tables() {
+        return 0;
+    }
+    prune_events(
+        DatumWithOid::from(settings::RETENTION_S.get() as i64),
+        "now() - $4 * interval '1 second'",
+        10_000,
+    )
 }

@@ -103,6 +103,7 @@ fn raise(
         })
     })
     .unwrap_or_else(|e| panic!("raise failed: {e}"));
+    crate::worker::wake_at_commit();
     id
 }
 
@@ -256,5 +257,8 @@ fn raise_many(
         })
     })
     .unwrap_or_else(|e| panic!("raise_many failed: {e}"));
+    if n > 0 {
+        crate::worker::wake_at_commit();
+    }
     ids
 }

@@ -66,6 +66,17 @@ raw_datum_type!(
     RawTextArray, "text[]", pg_sys::TEXTARRAYOID
 );
 
+raw_datum_type!(
+    /// A `regprocedure` argument: a function oid, resolved from its signature by the caller's cast.
+    RawRegprocedure, "regprocedure", pg_sys::REGPROCEDUREOID
+);
+
+impl RawRegprocedure {
+    pub fn oid(self) -> pg_sys::Oid {
+        pg_sys::Oid::from(self.0.value() as u32)
+    }
+}
+
 impl RawJsonb {
     /// True when the value is a JSON object (not an array, scalar or null).
     pub fn is_object(self) -> bool {

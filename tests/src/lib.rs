@@ -93,7 +93,7 @@ impl Cluster {
         let conf = format!(
             "listen_addresses = ''\nunix_socket_directories = '{}'\nport = {port}\n\
              shared_preload_libraries = 'pg_outbox'\nfsync = off\nmax_prepared_transactions = 4\n\
-             log_min_messages = warning\n",
+             log_min_messages = warning\npg_outbox.max_backoff = '1s'\n",
             dir.display()
         );
         std::fs::OpenOptions::new()
@@ -143,6 +143,75 @@ impl Cluster {
     /// The server log so far (for failure messages).
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+    }
+
+    fn data_dir(&self) -> String {
+        self.dir.join("data").to_string_lossy().into_owned()
+    }
+
+    /// `pg_ctl restart -m immediate`: the server stops without a checkpoint, as in a crash.
+    pub fn restart_immediate(&self) {
+        let mut stop = pg_command("pg_ctl");
+        stop.args(["-D", &self.data_dir(), "-m", "immediate", "-w", "stop"]);
+        run(stop, "pg_ctl stop -m immediate");
+        let mut start = pg_command("pg_ctl");
+        start.args([
+            "-D",
+            &self.data_dir(),
+            "-l",
+            self.dir.join("log").to_str().unwrap(),
+            "-w",
+            "-t",
+            "60",
+            "start",
+        ]);
+        run(start, "pg_ctl start");
+    }
+
+    /// Sets a configuration parameter with ALTER SYSTEM and reloads.
+    pub fn set(&self, name: &str, value: &str) {
+        let mut c = self.connect("postgres", "postgres");
+        for sql in [
+            format!("ALTER SYSTEM SET {name} = '{value}'"),
+            "SELECT pg_reload_conf()".to_string(),
+        ] {
+            c.batch_execute(&sql)
+                .unwrap_or_else(|e| panic!("{sql}: {}", db_message(&e)));
+        }
+    }
+
+    /// Waits until `pg_outbox.workers` workers are connected to `db` (they move databases when
+    /// pg_outbox.database changes).
+    pub fn wait_for_workers(&self, db: &str) {
+        let mut c = self.connect("postgres", "postgres");
+        eventually(
+            &format!("pg_outbox workers in database {db}"),
+            Duration::from_secs(30),
+            || {
+                let row = c
+                .query_one(
+                    "SELECT count(*) FILTER (WHERE datname = $1) = current_setting('pg_outbox.workers')::int8 \
+                            AND count(*) FILTER (WHERE datname IS DISTINCT FROM $1) = 0 \
+                       FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker'",
+                    &[&db],
+                )
+                .unwrap();
+                row.get::<_, bool>(0).then_some(())
+            },
+        );
+    }
+
+    /// The pids of the running pg_outbox workers.
+    pub fn worker_pids(&self) -> Vec<i32> {
+        let mut c = self.connect("postgres", "postgres");
+        c.query(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker'",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
     }
 
     pub fn connect(&self, db: &str, user: &str) -> Client {
@@ -202,6 +271,14 @@ pub fn test_db(label: &str) -> TestDb {
     }
 }
 
+/// A fresh database with pg_outbox whose workers deliver in it (pg_outbox.database points there).
+pub fn worker_db(label: &str) -> TestDb {
+    let db = test_db(label);
+    db.cluster.set("pg_outbox.database", &db.name);
+    db.cluster.wait_for_workers(&db.name);
+    db
+}
+
 /// Polls `probe` until it returns Some, or panics with `what` after `deadline`.
 pub fn eventually<T>(what: &str, deadline: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
     let start = Instant::now();
@@ -215,6 +292,13 @@ pub fn eventually<T>(what: &str, deadline: Duration, mut probe: impl FnMut() -> 
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The server's message of a client error, or the error itself.
+pub fn db_message(e: &postgres::Error) -> String {
+    e.as_db_error()
+        .map(|d| format!("{} ({})", d.message(), d.code().code()))
+        .unwrap_or_else(|| e.to_string())
 }
 
 /// The SQLSTATE of the error `sql` raises (panics if it succeeds).

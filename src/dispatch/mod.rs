@@ -1,0 +1,492 @@
+//! One delivery pass of one sink, in the worker's transaction.
+//!
+//! Lease: the sink's row is locked FOR UPDATE SKIP LOCKED for the whole pass, so exactly one
+//! worker delivers to a sink at a time, and a worker that dies releases it with its transaction.
+//! Then: read a window with the read rule, hand the events that match the sink's topics to its
+//! handler inside a subtransaction, as the sink's owner, under `pg_outbox.sink_timeout`; on
+//! success move the cursor past the whole window in the same transaction -- the handler's writes
+//! and the cursor commit together, exactly once. On failure the subtransaction is rolled back
+//! and the failure policy (pg_outbox_core::policy) decides what the next pass hands over.
+
+use crate::cursor;
+use crate::settings;
+use crate::transaction::{in_subtransaction, Failure};
+use pg_outbox_core::policy::{AfterFailure, AfterNeighbour, SinkState};
+use pg_outbox_core::Position;
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+use std::time::Duration;
+
+// utils/timeout.h is not among pgrx's bindings. STATEMENT_TIMEOUT is the fourth TimeoutId in
+// PostgreSQL 15 (its handler makes the next CHECK_FOR_INTERRUPTS raise 57014, as
+// statement_timeout does); only pg15 is built and tested here.
+const STATEMENT_TIMEOUT: i32 = 3;
+
+unsafe extern "C-unwind" {
+    #[link_name = "enable_timeout_after"]
+    fn enable_timeout_after_raw(id: i32, delay_ms: i32);
+    #[link_name = "disable_timeout"]
+    fn disable_timeout_raw(id: i32, keep_indicator: bool);
+}
+
+/// # Safety
+/// Backend only; calls into the timeout module through pgrx's error boundary.
+unsafe fn enable_timeout_after(id: i32, delay_ms: i32) {
+    unsafe { pg_sys::ffi::pg_guard_ffi_boundary(|| enable_timeout_after_raw(id, delay_ms)) }
+}
+
+/// # Safety
+/// Backend only; calls into the timeout module through pgrx's error boundary.
+unsafe fn disable_timeout(id: i32, keep_indicator: bool) {
+    unsafe { pg_sys::ffi::pg_guard_ffi_boundary(|| disable_timeout_raw(id, keep_indicator)) }
+}
+
+/// The first key of the sinks' advisory locks ("outs"); the second is the sink's lease_key.
+const SINK_LEASE_CLASS: i32 = 0x6f75_7473;
+
+pub enum PassResult {
+    /// Another worker holds the sink, or it is paused, not due, or gone.
+    Skipped,
+    /// Nothing to read.
+    Idle,
+    /// `events` handed over (or skipped by topic); `full` when the window was full (read again).
+    Delivered { events: usize, full: bool },
+    /// A failed batch was halved: the next pass should come at once.
+    Retry,
+    /// A lone event failed and backs off, or the sink is down.
+    Failed,
+}
+
+/// The sinks due for a pass, rotated so that workers start at different sinks.
+pub struct DueSinks {
+    pub due: Vec<String>,
+    pub count: usize,
+    /// Time until the earliest back-off of a sink ends, if any.
+    pub next_attempt_in: Option<Duration>,
+}
+
+/// Takes ACCESS SHARE on every table (and the sequence) a worker step may touch, in one fixed
+/// order, without waiting. False when one is locked by DDL (DROP or ALTER EXTENSION, say) or
+/// missing: the caller skips its step, so the worker never waits behind DDL, and DDL waits at
+/// most for the step in flight, never deadlocks with it.
+pub fn lock_tables() -> bool {
+    const TABLES: [&std::ffi::CStr; 5] = [
+        c"events",
+        c"events_seq",
+        c"consumers",
+        c"sinks",
+        c"dead_letters",
+    ];
+    // SAFETY: catalog lookups and lock-manager calls in a transaction; a lock that cannot be had
+    // returns false instead of waiting.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return false;
+        }
+        TABLES.iter().all(|name| {
+            let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
+            relid != pg_sys::InvalidOid
+                && pg_sys::ConditionalLockRelationOid(
+                    relid,
+                    pg_sys::AccessShareLock as pg_sys::LOCKMODE,
+                )
+        })
+    }
+}
+
+pub fn due_sinks(slot: usize) -> DueSinks {
+    if !lock_tables() {
+        return DueSinks {
+            due: Vec::new(),
+            count: 0,
+            next_attempt_in: None,
+        };
+    }
+    let mut due = Vec::new();
+    let mut next: Option<Duration> = None;
+    let mut count = 0;
+    Spi::connect(|client| {
+        let rows = client.select(
+            "SELECT id, next_attempt_at IS NULL OR next_attempt_at <= pg_catalog.now(), \
+                    (extract(epoch FROM next_attempt_at - pg_catalog.now()) * 1000)::int8 \
+               FROM outbox.sinks WHERE NOT paused ORDER BY id",
+            None,
+            &[],
+        )?;
+        for row in rows {
+            count += 1;
+            let id: String = row.get(1)?.expect("sinks.id is NOT NULL");
+            if row.get::<bool>(2)?.unwrap_or(true) {
+                due.push(id);
+            } else if let Some(ms) = row.get::<i64>(3)? {
+                let d = Duration::from_millis(ms.max(1) as u64);
+                next = Some(next.map_or(d, |n| n.min(d)));
+            }
+        }
+        Ok::<_, pgrx::spi::Error>(())
+    })
+    .expect("listing sinks");
+    if !due.is_empty() {
+        let k = slot % due.len();
+        due.rotate_left(k);
+    }
+    DueSinks {
+        due,
+        count,
+        next_attempt_in: next,
+    }
+}
+
+/// True when committed events wait behind the read horizon (a transaction holds it).
+pub fn events_waiting() -> bool {
+    if !lock_tables() {
+        return false;
+    }
+    crate::query::one::<bool>(
+        "SELECT EXISTS (SELECT 1 FROM outbox.events \
+                         WHERE txid >= pg_catalog.pg_snapshot_xmin(pg_catalog.pg_current_snapshot()))",
+        &[],
+    )
+    .unwrap_or(false)
+}
+
+/// A sink as one pass needs it.
+struct Sink {
+    id: String,
+    /// The handler, schema-qualified and quoted, for the call statement.
+    call: String,
+    owner: pg_sys::Oid,
+    topic_regex: Option<String>,
+    max_batch: u32,
+    state: SinkState,
+    cursor: Position,
+    event_array_type: pg_sys::Oid,
+}
+
+/// Takes the sink's lease and reads its state. None: another worker holds it, or it is paused,
+/// not due, or gone.
+///
+/// The lease is a transaction-scoped advisory lock, not a row lock: locking a row would give the
+/// pass a transaction id from its first statement, and a transaction id held through a slow
+/// handler holds back the read horizon of every reader in the cluster. This way the pass takes an
+/// id only when its handler first writes, and when it saves the cursor at the end.
+fn lease(client: &SpiClient<'_>, id: &str) -> Result<Option<Sink>, pgrx::spi::Error> {
+    let locked = client.select(
+        "SELECT pg_catalog.pg_try_advisory_xact_lock($2, s.lease_key) FROM outbox.sinks s WHERE s.id = $1",
+        Some(1),
+        &[DatumWithOid::from(id), DatumWithOid::from(SINK_LEASE_CLASS)],
+    )?;
+    if locked.is_empty() || locked.first().get_one::<bool>()? != Some(true) {
+        return Ok(None);
+    }
+    // The previous holder committed before it released the lease: a snapshot taken now sees its
+    // cursor. (The statement above ran on an older one.)
+    crate::transaction::refresh_snapshot();
+    let rows = client.select(
+        "SELECT s.id, pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(p.proname), \
+                c.owner, s.topic_regex, s.batch_size, s.current_batch, s.attempts, \
+                c.txid::text, c.seq, 'outbox.event[]'::pg_catalog.regtype::pg_catalog.oid \
+           FROM outbox.sinks s \
+           JOIN outbox.consumers c ON c.name = s.id \
+           JOIN pg_catalog.pg_proc p ON p.oid = s.handler \
+           JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
+          WHERE s.id = $1 AND NOT s.paused \
+            AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= pg_catalog.now())",
+        Some(1),
+        &[DatumWithOid::from(id)],
+    )?;
+    let mut found = None;
+    for r in rows {
+        let txid: String = r.get(8)?.expect("cursor txid");
+        found = Some(Sink {
+            id: r.get(1)?.expect("id"),
+            call: r.get(2)?.expect("handler"),
+            owner: r.get(3)?.expect("owner"),
+            topic_regex: r.get(4)?,
+            max_batch: r.get::<i32>(5)?.expect("batch_size").max(1) as u32,
+            state: SinkState {
+                batch: r.get::<i32>(6)?.expect("current_batch").max(1) as u32,
+                attempts: r.get::<i32>(7)?.expect("attempts").max(0) as u32,
+            },
+            cursor: Position::new(txid.parse().expect("xid8"), r.get(9)?.expect("seq")),
+            event_array_type: r.get(10)?.expect("type oid"),
+        });
+    }
+    Ok(found)
+}
+
+/// A window of the log after the cursor: how many events, the last position, and the events the
+/// sink's topics match (NULL when none do), as one outbox.event[] datum.
+struct Window {
+    count: usize,
+    last: Option<Position>,
+    matching: usize,
+    events: Option<pg_sys::Datum>,
+}
+
+const WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
+        count(*) FILTER (WHERE $4::text IS NULL OR r.topic ~ $4)::int8, \
+        pg_catalog.array_agg(ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, \
+                                 r.raised_at)::outbox.event ORDER BY r.n) \
+            FILTER (WHERE $4::text IS NULL OR r.topic ~ $4) \
+   FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
+        AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n)";
+
+fn read_window(
+    client: &SpiClient<'_>,
+    after: Position,
+    max: u32,
+    regex: &Option<String>,
+) -> Result<Window, pgrx::spi::Error> {
+    let table = client.select(
+        WINDOW_SQL,
+        Some(1),
+        &[
+            DatumWithOid::from(after.txid.to_string()),
+            DatumWithOid::from(after.seq),
+            DatumWithOid::from(max as i32),
+            DatumWithOid::from(regex.clone()),
+        ],
+    )?;
+    let row = table.first();
+    let count = row.get::<i64>(1)?.unwrap_or(0) as usize;
+    let last = row
+        .get::<String>(2)?
+        .map(|p| p.parse().expect("positions are well-formed"));
+    let matching = row.get::<i64>(3)?.unwrap_or(0) as usize;
+    let events = row.get_datum_by_ordinal(4)?;
+    Ok(Window {
+        count,
+        last,
+        matching,
+        events,
+    })
+}
+
+/// Calls the handler on `events` (an outbox.event[] datum) in a subtransaction, as the sink's
+/// owner, under the sink timeout.
+fn deliver(client: &mut SpiClient<'_>, sink: &Sink, events: pg_sys::Datum) -> Result<(), Failure> {
+    let sql = format!("SELECT {}($1)", sink.call);
+    in_subtransaction(|| {
+        let (mut user, mut context) = (pg_sys::InvalidOid, 0i32);
+        // SAFETY: switches to the sink owner the way SECURITY DEFINER does, restricted so the
+        // handler cannot SET ROLE its way out; the subtransaction's end restores the user if the
+        // handler raises. The timeout is the one statement_timeout uses; disabled on both paths.
+        unsafe {
+            pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
+            pg_sys::SetUserIdAndSecContext(
+                sink.owner,
+                context
+                    | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
+                    | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
+            );
+            enable_timeout_after(STATEMENT_TIMEOUT, settings::SINK_TIMEOUT_MS.get());
+        }
+        struct Restore(pg_sys::Oid, i32);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                // SAFETY: undoes exactly the two changes above.
+                unsafe {
+                    disable_timeout(STATEMENT_TIMEOUT, false);
+                    pg_sys::SetUserIdAndSecContext(self.0, self.1);
+                }
+            }
+        }
+        let _restore = Restore(user, context);
+        // SAFETY: the datum is an outbox.event[] read in this SPI connection, still alive.
+        let arg = unsafe { DatumWithOid::new(events, sink.event_array_type) };
+        // select, not update: pgrx's update path asks for a transaction id before the handler
+        // runs (see `lease`). The handler, a volatile function, still writes.
+        client
+            .select(sql.as_str(), None, &[arg])
+            .map(|_| ())
+            .unwrap_or_else(|e| panic!("{e}"));
+    })
+}
+
+fn save_state(
+    client: &mut SpiClient<'_>,
+    sink: &Sink,
+    state: SinkState,
+    delay: Option<Duration>,
+    down: bool,
+    failure: Option<&Failure>,
+    delivered: usize,
+) -> Result<(), pgrx::spi::Error> {
+    client.update(
+        "UPDATE outbox.sinks SET current_batch = $2, attempts = $3, \
+                next_attempt_at = CASE WHEN $4::int8 IS NULL THEN NULL \
+                                       ELSE pg_catalog.now() + $4::int8 * interval '1 millisecond' END, \
+                down = $5, \
+                last_error = coalesce($6, last_error), last_sqlstate = coalesce($7, last_sqlstate), \
+                last_error_at = CASE WHEN $6 IS NULL THEN last_error_at ELSE pg_catalog.now() END, \
+                delivered = delivered + $8, \
+                last_delivered_at = CASE WHEN $8 > 0 THEN pg_catalog.now() ELSE last_delivered_at END \
+          WHERE id = $1",
+        None,
+        &[
+            DatumWithOid::from(sink.id.as_str()),
+            DatumWithOid::from(state.batch.min(i32::MAX as u32) as i32),
+            DatumWithOid::from(state.attempts.min(i32::MAX as u32) as i32),
+            DatumWithOid::from(delay.map(|d| d.as_millis().min(i64::MAX as u128) as i64)),
+            DatumWithOid::from(down),
+            DatumWithOid::from(failure.map(|f| f.message.clone())),
+            DatumWithOid::from(failure.map(|f| f.sqlstate.clone())),
+            DatumWithOid::from(delivered as i64),
+        ],
+    )?;
+    Ok(())
+}
+
+/// One pass over one sink. Runs inside the worker's transaction.
+pub fn pass(id: &str) -> PassResult {
+    if !lock_tables() {
+        return PassResult::Skipped;
+    }
+    Spi::connect_mut(|client| {
+        let Some(sink) = lease(&*client, id)? else { return Ok(PassResult::Skipped) };
+        if let Some(result) = crate::replay::deliver_requested(client, &sink.id, |c, events| deliver(c, &sink, events))? {
+            return Ok(result);
+        }
+        let policy = settings::policy(sink.max_batch);
+        let window = read_window(client, sink.cursor, sink.state.batch.min(sink.max_batch), &sink.topic_regex)?;
+        let Some(last) = window.last else { return Ok(PassResult::Idle) };
+        let full = window.count as u32 >= sink.state.batch;
+        let Some(events) = window.events else {
+            // Nothing here for this sink's topics: move past the window.
+            cursor::save(&sink.id, last);
+            return Ok(PassResult::Delivered { events: 0, full });
+        };
+        match deliver(client, &sink, events) {
+            Ok(()) => {
+                cursor::save(&sink.id, last);
+                save_state(client, &sink, policy.after_success(sink.state), None, false, None, window.matching)?;
+                Ok(PassResult::Delivered { events: window.matching, full })
+            }
+            Err(failure) => match policy.after_failure(sink.state, window.count as u32) {
+                AfterFailure::Halve(state) => {
+                    save_state(client, &sink, state, None, false, Some(&failure), 0)?;
+                    Ok(PassResult::Retry)
+                }
+                AfterFailure::Retry { state, delay } => {
+                    pgrx::warning!(
+                        "pg_outbox: sink \"{}\" failed on event {last} (attempt {}), retrying in {delay:?}: {failure}",
+                        sink.id,
+                        state.attempts
+                    );
+                    save_state(client, &sink, state, Some(delay), false, Some(&failure), 0)?;
+                    Ok(PassResult::Failed)
+                }
+                AfterFailure::TestNeighbour(state) => {
+                    pgrx::warning!(
+                        "pg_outbox: sink \"{}\" failed on event {last} (attempt {}), testing its neighbour: {failure}",
+                        sink.id,
+                        state.attempts
+                    );
+                    neighbour_test(client, &sink, state, last, events, failure)
+                }
+            },
+        }
+    })
+    .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
+}
+
+/// The lone event at `lone` failed `poison_after` times: deliver the next event alone. If it
+/// goes through, `lone` is poison; if not, or there is none yet, the sink is down.
+fn neighbour_test(
+    client: &mut SpiClient<'_>,
+    sink: &Sink,
+    state: SinkState,
+    lone: Position,
+    lone_events: pg_sys::Datum,
+    failure: Failure,
+) -> Result<PassResult, pgrx::spi::Error> {
+    let policy = settings::policy(sink.max_batch);
+    // The neighbour is the next event this sink would receive, within one batch of the lone one.
+    let (neighbour, outcome) = match first_match_span(client, lone, sink)? {
+        Some(span) => {
+            let window = read_window(client, lone, span, &sink.topic_regex)?;
+            let events = window.events.expect("the span ends at a matching event");
+            (window.last, Some(deliver(client, sink, events)))
+        }
+        None => (None, None),
+    };
+    match (neighbour, outcome) {
+        (Some(neighbour), Some(Ok(()))) => {
+            let AfterNeighbour::DeadLetter(fresh) = policy.after_neighbour(state, Some(true))
+            else {
+                unreachable!()
+            };
+            client.update(
+                "INSERT INTO outbox.dead_letters (sink, txid, seq, event, error, sqlstate, attempts) \
+                 VALUES ($1, $2::pg_catalog.xid8, $3, ($4::outbox.event[])[1], $5, $6, $7) \
+                 ON CONFLICT (sink, txid, seq) DO UPDATE SET event = EXCLUDED.event, error = EXCLUDED.error, \
+                      sqlstate = EXCLUDED.sqlstate, attempts = EXCLUDED.attempts, dead_at = pg_catalog.now(), \
+                      replay_requested_at = NULL",
+                None,
+                &[
+                    DatumWithOid::from(sink.id.as_str()),
+                    DatumWithOid::from(lone.txid.to_string()),
+                    DatumWithOid::from(lone.seq),
+                    // SAFETY: the lone event's outbox.event[] datum from this connection.
+                    unsafe { DatumWithOid::new(lone_events, sink.event_array_type) },
+                    DatumWithOid::from(failure.message.as_str()),
+                    DatumWithOid::from(failure.sqlstate.as_str()),
+                    DatumWithOid::from(state.attempts as i32),
+                ],
+            )?;
+            cursor::save(&sink.id, neighbour);
+            save_state(client, sink, fresh, None, false, Some(&failure), 1)?;
+            pgrx::warning!(
+                "pg_outbox: sink \"{}\" dead-lettered event {lone} after {} attempts (its neighbour {neighbour} went through): {failure}",
+                sink.id,
+                state.attempts
+            );
+            Ok(PassResult::Delivered {
+                events: 1,
+                full: false,
+            })
+        }
+        (_, outcome) => {
+            // Here the neighbour failed (Some(false)) or there is none yet (None).
+            let neighbour_ok = outcome.as_ref().map(|o| o.is_ok());
+            let AfterNeighbour::Down { state, delay } = policy.after_neighbour(state, neighbour_ok)
+            else {
+                unreachable!()
+            };
+            let down = neighbour_ok.is_some();
+            if down {
+                pgrx::warning!("pg_outbox: sink \"{}\" is down (its neighbour failed too), retrying in {delay:?}", sink.id);
+            }
+            save_state(client, sink, state, Some(delay), down, Some(&failure), 0)?;
+            Ok(PassResult::Failed)
+        }
+    }
+}
+
+/// How many events after `after` to read so that the window ends at the first event the sink's
+/// topics match (the neighbour), at most `max_batch`.
+fn first_match_span(
+    client: &SpiClient<'_>,
+    after: Position,
+    sink: &Sink,
+) -> Result<Option<u32>, pgrx::spi::Error> {
+    let table = client.select(
+        "SELECT r.n FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
+              AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
+          WHERE $4::text IS NULL OR r.topic ~ $4 ORDER BY r.n LIMIT 1",
+        Some(1),
+        &[
+            DatumWithOid::from(after.txid.to_string()),
+            DatumWithOid::from(after.seq),
+            DatumWithOid::from(sink.max_batch as i32),
+            DatumWithOid::from(sink.topic_regex.clone()),
+        ],
+    )?;
+    if table.is_empty() {
+        return Ok(None);
+    }
+    Ok(table.first().get::<i64>(1)?.map(|n| n as u32))
+}

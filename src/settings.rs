@@ -1,0 +1,168 @@
+//! Every setting of pg_outbox: its default, its context, and why.
+//!
+//! Times are integers with units, so `SET pg_outbox.poll_interval = '250ms'` and `'2s'` both work.
+
+use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
+use std::ffi::CString;
+use std::time::Duration;
+
+/// Where the worker runs. One database per cluster: sharded deployments run one per shard.
+/// SIGHUP: on a change the workers exit and come back connected to the new database.
+pub static DATABASE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"postgres"));
+
+/// Worker processes for that database. Each sink is delivered by one worker at a time (a row
+/// lock is the lease), so with two workers one slow sink never stalls the others.
+pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(2);
+pub const MAX_WORKERS: i32 = 8;
+
+/// The fallback poll: a commit wakes the worker at once through its latch, so this only matters
+/// for work that no commit announces (back-off expiry, events another server raised via replica).
+pub static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(1000);
+
+/// Events a new sink is handed per pass unless `create_sink` says otherwise: big enough to
+/// amortise a transaction per batch, small enough that a failing batch bisects in 7 steps.
+pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(128);
+
+/// The cap of the doubling back-off of a lone failing event (DESIGN: 1 s doubling to 5 min).
+pub static MAX_BACKOFF_S: GucSetting<i32> = GucSetting::<i32>::new(300);
+
+/// Failures of a lone event before its neighbour is tested (and it may be dead-lettered).
+pub static POISON_AFTER: GucSetting<i32> = GucSetting::<i32>::new(5);
+
+/// How long one call of a sink handler may run before it is cancelled and counted as a failure.
+pub static SINK_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
+
+/// How long delivered events stay in the log (for new consumers starting at the origin, replay
+/// and audit) before pruning may delete them.
+pub static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
+
+/// How often the worker prunes.
+pub static PRUNE_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
+
+/// Off: workers stay connected but deliver nothing (maintenance windows).
+pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
+
+pub fn init() {
+    GucRegistry::define_string_guc(
+        c"pg_outbox.database",
+        c"Database the pg_outbox workers deliver in.",
+        c"The workers connect to this database; changing it makes them reconnect.",
+        &DATABASE,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.workers",
+        c"Number of pg_outbox worker processes.",
+        c"They share the sinks: each sink is delivered by one worker at a time.",
+        &WORKERS,
+        0,
+        MAX_WORKERS,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.poll_interval",
+        c"How long an idle worker sleeps when no commit wakes it.",
+        c"",
+        &POLL_INTERVAL_MS,
+        10,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.batch_size",
+        c"Events per delivery of a sink created without a batch size.",
+        c"",
+        &BATCH_SIZE,
+        1,
+        10_000,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.max_backoff",
+        c"Longest wait between retries of a failing event.",
+        c"",
+        &MAX_BACKOFF_S,
+        1,
+        86_400,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.poison_after",
+        c"Failures of a lone event before its neighbour is tested.",
+        c"",
+        &POISON_AFTER,
+        1,
+        1000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.sink_timeout",
+        c"Longest a sink handler may run on one batch.",
+        c"",
+        &SINK_TIMEOUT_MS,
+        10,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.retention",
+        c"How long events stay in the log after every consumer has passed them.",
+        c"",
+        &RETENTION_S,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.prune_interval",
+        c"How often the worker prunes the log.",
+        c"",
+        &PRUNE_INTERVAL_S,
+        1,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_bool_guc(
+        c"pg_outbox.enabled",
+        c"Whether the workers deliver.",
+        c"",
+        &ENABLED,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+}
+
+pub fn database() -> String {
+    DATABASE
+        .get()
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "postgres".into())
+}
+
+pub fn ms(setting: &GucSetting<i32>) -> Duration {
+    Duration::from_millis(setting.get().max(0) as u64)
+}
+
+pub fn secs(setting: &GucSetting<i32>) -> Duration {
+    Duration::from_secs(setting.get().max(0) as u64)
+}
+
+/// The failure policy as configured now, for a sink of `max_batch`.
+pub fn policy(max_batch: u32) -> pg_outbox_core::policy::Policy {
+    pg_outbox_core::policy::Policy {
+        max_batch,
+        first_backoff: Duration::from_secs(1),
+        max_backoff: secs(&MAX_BACKOFF_S),
+        poison_after: POISON_AFTER.get().max(1) as u32,
+    }
+}

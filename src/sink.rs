@@ -1,0 +1,169 @@
+//! SQL sinks: `create_sink`, `pause_sink`, `resume_sink`, `drop_sink`. Delivery is in
+//! `dispatch`.
+
+use crate::cursor::{insert_consumer, lock_cursors_shared, owned_consumer, start_cursor};
+use crate::error::{Error, OrReport};
+use crate::owner::{as_owner, caller};
+use crate::raw::RawRegprocedure;
+use crate::settings;
+use pg_outbox_core::pattern::Pattern;
+use pg_outbox_core::{name as names, required, Invalid, InvalidKind};
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+
+/// Refuses a handler that is not `f(outbox.event[])` or that the caller may not execute.
+fn check_handler(handler: pg_sys::Oid) {
+    let row = crate::query::two::<String, String>(
+        "SELECT p.oid::pg_catalog.regprocedure::text, \
+                CASE WHEN p.prokind <> 'f' THEN 'must be a plain function, not a procedure or aggregate' \
+                     WHEN p.pronargs <> 1 OR p.proargtypes[0] <> 'outbox.event[]'::pg_catalog.regtype \
+                     THEN 'must take exactly one argument of type outbox.event[]' \
+                     WHEN p.proretset THEN 'must not return a set' END \
+           FROM pg_catalog.pg_proc p WHERE p.oid = $1",
+        &[DatumWithOid::from(handler)],
+    );
+    let Some((Some(name), why)) = row else {
+        Error::BadHandler {
+            handler: format!("{}", handler.to_u32()),
+            why: "does not exist".into(),
+        }
+        .report()
+    };
+    if let Some(why) = why {
+        Error::BadHandler { handler: name, why }.report();
+    }
+    let allowed = crate::query::one::<bool>(
+        "SELECT pg_catalog.has_function_privilege($1, $2, 'EXECUTE')",
+        &[DatumWithOid::from(caller()), DatumWithOid::from(handler)],
+    )
+    .unwrap_or(false);
+    if !allowed {
+        Error::HandlerNotExecutable(name).report();
+    }
+}
+
+/// Compiles topic patterns into one regular expression (NULL patterns: every topic).
+fn topic_regex(topics: Option<Vec<Option<String>>>) -> Result<Option<String>, Invalid> {
+    let Some(topics) = topics else {
+        return Ok(None);
+    };
+    if topics.is_empty() {
+        return Err(
+            Invalid::new(InvalidKind::Parameter, "topics must not be empty")
+                .with_hint("pass NULL for a sink that receives every topic, or '{#}'"),
+        );
+    }
+    let mut alternatives = Vec::with_capacity(topics.len());
+    for (i, t) in topics.iter().enumerate() {
+        let t = t
+            .as_deref()
+            .ok_or_else(|| Invalid::null(&format!("topics[{}]", i + 1)))?;
+        alternatives.push(format!("({})", Pattern::parse(t)?.to_regex()));
+    }
+    Ok(Some(alternatives.join("|")))
+}
+
+/// Registers a SQL sink: the worker calls `handler(outbox.event[])` with batches of the events
+/// whose topic matches `topics` (NULL: all), as the role that registered it, and moves the sink's
+/// cursor in the same transaction. Returns the starting cursor.
+#[pg_extern(volatile, parallel_unsafe)]
+fn create_sink(
+    id: Option<&str>,
+    handler: Option<RawRegprocedure>,
+    topics: default!(Option<Vec<Option<String>>>, "NULL"),
+    batch_size: default!(Option<i32>, "NULL"),
+    start_at: default!(Option<&str>, "'origin'"),
+) -> String {
+    if !crate::worker::preloaded() {
+        Error::NotPreloaded.report();
+    }
+    let id = required(id, "id").or_report();
+    names::validate("sink", id).or_report();
+    let handler = required(handler, "handler").or_report().oid();
+    check_handler(handler);
+    let patterns = topics.clone();
+    let regex = topic_regex(topics).or_report();
+    let batch_size = batch_size.unwrap_or_else(|| settings::BATCH_SIZE.get());
+    if !(1..=10_000).contains(&batch_size) {
+        Error::from(Invalid::new(
+            InvalidKind::Parameter,
+            format!("batch_size must be between 1 and 10000, not {batch_size}"),
+        ))
+        .report();
+    }
+    lock_cursors_shared();
+    let cursor = start_cursor(start_at);
+    if !insert_consumer(id, "sink", cursor, caller()) {
+        Error::ConsumerExists(id.into()).report();
+    }
+    as_owner(|| {
+        Spi::run_with_args(
+            "INSERT INTO outbox.sinks (id, handler, topics, topic_regex, batch_size, current_batch) \
+             VALUES ($1, $2, $3, $4, $5, $5)",
+            &[
+                DatumWithOid::from(id),
+                // SAFETY: an oid datum typed as regprocedure, which is an oid.
+                unsafe { DatumWithOid::new(handler, pg_sys::REGPROCEDUREOID) },
+                DatumWithOid::from(patterns),
+                DatumWithOid::from(regex),
+                DatumWithOid::from(batch_size),
+            ],
+        )
+    })
+    .unwrap_or_else(|e| panic!("creating sink: {e}"));
+    crate::worker::wake_at_commit();
+    cursor.to_string()
+}
+
+fn owned_sink(id: Option<&str>, action: &'static str) -> String {
+    let (name, found) = owned_consumer(id, action);
+    if found.kind != "sink" {
+        Error::NotASink(name).report();
+    }
+    name
+}
+
+fn set_paused(id: &str, paused: bool) {
+    as_owner(|| {
+        Spi::run_with_args(
+            "UPDATE outbox.sinks SET paused = $2 WHERE id = $1",
+            &[DatumWithOid::from(id), DatumWithOid::from(paused)],
+        )
+    })
+    .unwrap_or_else(|e| panic!("updating sink: {e}"));
+}
+
+/// Stops deliveries to a sink; its cursor stays where it is and holds the log.
+#[pg_extern(volatile, parallel_unsafe)]
+fn pause_sink(id: Option<&str>) {
+    let id = owned_sink(id, "pause");
+    set_paused(&id, true);
+}
+
+/// Resumes deliveries to a paused sink (and ends a back-off: the next pass tries at once).
+#[pg_extern(volatile, parallel_unsafe)]
+fn resume_sink(id: Option<&str>) {
+    let id = owned_sink(id, "resume");
+    set_paused(&id, false);
+    as_owner(|| {
+        Spi::run_with_args(
+            "UPDATE outbox.sinks SET next_attempt_at = NULL WHERE id = $1",
+            &[DatumWithOid::from(id.as_str())],
+        )
+    })
+    .unwrap_or_else(|e| panic!("updating sink: {e}"));
+    crate::worker::wake_at_commit();
+}
+
+/// Drops a sink, its cursor and its dead letters.
+#[pg_extern(volatile, parallel_unsafe)]
+fn drop_sink(id: Option<&str>) {
+    let id = owned_sink(id, "drop");
+    as_owner(|| {
+        Spi::run_with_args(
+            "DELETE FROM outbox.consumers WHERE name = $1",
+            &[DatumWithOid::from(id.as_str())],
+        )
+    })
+    .unwrap_or_else(|e| panic!("dropping sink: {e}"));
+}

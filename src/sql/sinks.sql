@@ -1,0 +1,40 @@
+-- Sinks: consumers the background worker pushes batches to. A sink's cursor is its row in
+-- outbox.consumers (kind 'sink'), so pruning and rewind treat it like every other consumer.
+CREATE TABLE outbox.sinks (
+    id                text        NOT NULL PRIMARY KEY
+                                  REFERENCES outbox.consumers (name) ON DELETE CASCADE,
+    -- Runs as the role that created the sink (outbox.consumers.owner), never as the worker's.
+    handler           regprocedure NOT NULL,
+    topics            text[],                     -- patterns; NULL: every topic
+    topic_regex       text,                       -- the patterns compiled; NULL: every topic
+    batch_size        integer     NOT NULL CHECK (batch_size BETWEEN 1 AND 10000),
+    -- Failure policy state (see dispatch/policy in the core crate).
+    current_batch     integer     NOT NULL CHECK (current_batch >= 1),
+    attempts          integer     NOT NULL DEFAULT 0,
+    next_attempt_at   timestamptz,
+    down              boolean     NOT NULL DEFAULT false,
+    paused            boolean     NOT NULL DEFAULT false,
+    last_error        text,
+    last_sqlstate     text,
+    last_error_at     timestamptz,
+    last_delivered_at timestamptz,
+    delivered         bigint      NOT NULL DEFAULT 0,
+    created_at        timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    -- Second key of the sink's advisory-lock lease (see dispatch::lease).
+    lease_key         integer     GENERATED ALWAYS AS IDENTITY
+);
+
+-- Events a sink could never accept, kept for inspection and replay.
+CREATE TABLE outbox.dead_letters (
+    sink                text            NOT NULL REFERENCES outbox.sinks (id) ON DELETE CASCADE,
+    txid                pg_catalog.xid8 NOT NULL,
+    seq                 bigint          NOT NULL,
+    event               outbox.event    NOT NULL,
+    error               text            NOT NULL,
+    sqlstate            text,
+    attempts            integer         NOT NULL,
+    dead_at             timestamptz     NOT NULL DEFAULT pg_catalog.now(),
+    -- Set by outbox.replay(); the worker re-delivers and deletes the row, or clears this again.
+    replay_requested_at timestamptz,
+    PRIMARY KEY (sink, txid, seq)
+);

@@ -1,0 +1,115 @@
+//! Transactions and subtransactions that catch errors instead of ending the process.
+//!
+//! A background worker that lets an ERROR escape exits; one bad sink must not take the worker
+//! (and every other sink) with it. These helpers run a closure, and on a Postgres ERROR roll back
+//! and hand the error back as a value. Rust panics are not caught here: they are bugs.
+
+use pgrx::pg_sys::panic::CaughtError;
+use pgrx::prelude::*;
+use std::panic::AssertUnwindSafe;
+
+/// A caught Postgres error: its SQLSTATE and message.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub sqlstate: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (SQLSTATE {})", self.message, self.sqlstate)
+    }
+}
+
+/// The five-character SQLSTATE of a packed error code (MAKE_SQLSTATE in elog.h).
+fn unpack_sqlstate(code: i32) -> String {
+    (0..5)
+        .map(|i| (((code >> (6 * i)) & 0x3F) as u8 + b'0') as char)
+        .collect()
+}
+
+fn failure_from(e: CaughtError) -> Failure {
+    match e {
+        CaughtError::PostgresError(r) | CaughtError::ErrorReport(r) => Failure {
+            sqlstate: unpack_sqlstate(r.sql_error_code() as i32),
+            message: r.message().to_string(),
+        },
+        panic @ CaughtError::RustPanic { .. } => panic.rethrow(),
+    }
+}
+
+/// Runs `f` in a transaction of its own (with a snapshot). Commits on success; on an ERROR rolls
+/// back and returns it.
+pub fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, Failure> {
+    // SAFETY: called from the worker's top level, outside any transaction.
+    unsafe {
+        pg_sys::SetCurrentStatementStartTimestamp();
+        pg_sys::StartTransactionCommand();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+    }
+    let result = PgTryBuilder::new(AssertUnwindSafe(|| Ok(f())))
+        .catch_others(|e| Err(failure_from(e)))
+        .execute();
+    // SAFETY: ends the transaction begun above, one way or the other.
+    unsafe {
+        match result {
+            Ok(_) => {
+                pg_sys::PopActiveSnapshot();
+                pg_sys::CommitTransactionCommand();
+            }
+            Err(_) => pg_sys::AbortCurrentTransaction(),
+        }
+        // Let autovacuum see what the worker wrote and deleted (the outbox churns).
+        pg_sys::pgstat_report_stat(false);
+    }
+    result
+}
+
+/// Replaces the active snapshot with a new one (READ COMMITTED: it sees every commit so far), for
+/// the statements that follow in the worker's transaction.
+pub fn refresh_snapshot() {
+    // SAFETY: the worker pushed the active snapshot in `in_transaction`; no SPI statement is
+    // running, so the top of the stack is that one.
+    unsafe {
+        pg_sys::PopActiveSnapshot();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+    }
+}
+
+/// Runs `f` in a subtransaction: released on success, rolled back on an ERROR, which is returned.
+/// Everything `f` did is undone on failure; what the caller did before is kept.
+pub fn in_subtransaction<R>(f: impl FnOnce() -> R) -> Result<R, Failure> {
+    // SAFETY: the same sequence as PL/pgSQL's exception blocks (pl_exec.c, exec_stmt_block): keep
+    // running in the caller's memory context and restore the resource owner afterwards.
+    unsafe {
+        let context = pg_sys::CurrentMemoryContext;
+        let owner = pg_sys::CurrentResourceOwner;
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(context);
+        let result = PgTryBuilder::new(AssertUnwindSafe(|| Ok(f())))
+            .catch_others(|e| Err(failure_from(e)))
+            .execute();
+        match result {
+            Ok(_) => pg_sys::ReleaseCurrentSubTransaction(),
+            Err(_) => pg_sys::RollbackAndReleaseCurrentSubTransaction(),
+        }
+        pg_sys::MemoryContextSwitchTo(context);
+        pg_sys::CurrentResourceOwner = owner;
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sqlstates_unpack() {
+        let pack = |s: &str| {
+            s.bytes().enumerate().fold(0i32, |acc, (i, b)| {
+                acc | (((b - b'0') as i32 & 0x3F) << (6 * i))
+            })
+        };
+        for s in ["22023", "57014", "P0001", "42501", "XX000"] {
+            assert_eq!(super::unpack_sqlstate(pack(s)), s);
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! The background workers: registration, shared memory, waking at commit, and their status.
+//!
+//! Registered from `_PG_init` only when pg_outbox is in `shared_preload_libraries`. Each worker
+//! keeps a slot in shared memory with its PGPROC (so a committing backend can set its latch) and
+//! counters that `outbox.workers()` reads.
+
+mod run;
+
+use crate::settings;
+use pgrx::bgworkers::{BackgroundWorkerBuilder, BgWorkerStartTime};
+use pgrx::lwlock::PgLwLock;
+use pgrx::prelude::*;
+use pgrx::shmem::PGRXSharedMemory;
+use pgrx::{pg_shmem_init, PgXactCallbackEvent};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+const ERROR_BYTES: usize = 200;
+
+#[derive(Copy, Clone)]
+pub struct Slot {
+    proc_ptr: usize,
+    pid: i32,
+    started_at: i64,
+    last_pass_at: i64,
+    passes: u64,
+    delivered: u64,
+    failures: u64,
+    last_error: [u8; ERROR_BYTES],
+    last_error_len: u16,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Slot {
+            proc_ptr: 0,
+            pid: 0,
+            started_at: 0,
+            last_pass_at: 0,
+            passes: 0,
+            delivered: 0,
+            failures: 0,
+            last_error: [0; ERROR_BYTES],
+            last_error_len: 0,
+        }
+    }
+}
+
+#[derive(Copy, Clone, Default)]
+pub struct WorkerTable {
+    slots: [Slot; settings::MAX_WORKERS as usize],
+}
+
+// SAFETY: plain old data (integers and byte arrays), valid at any bit pattern, no pointers that
+// are dereferenced without a check (proc_ptr is only handed to SetLatch while non-zero).
+unsafe impl PGRXSharedMemory for WorkerTable {}
+
+static WORKERS: PgLwLock<WorkerTable> = unsafe { PgLwLock::new(c"pg_outbox_workers") };
+
+/// Process-local: true in the postmaster and every backend forked from it once the shared memory
+/// was requested, i.e. when pg_outbox is preloaded. A plain `CREATE EXTENSION` load leaves it false.
+static PRELOADED: AtomicBool = AtomicBool::new(false);
+
+pub fn preloaded() -> bool {
+    PRELOADED.load(Ordering::Relaxed)
+}
+
+/// Called from `_PG_init` while shared_preload_libraries is being processed.
+pub fn register() {
+    pg_shmem_init!(WORKERS);
+    PRELOADED.store(true, Ordering::Relaxed);
+    // SAFETY: reading a postmaster global during _PG_init.
+    if unsafe { pg_sys::IsBinaryUpgrade } {
+        return; // pg_upgrade starts the server only to move catalogs: deliver nothing
+    }
+    for slot in 0..settings::WORKERS.get().clamp(0, settings::MAX_WORKERS) {
+        BackgroundWorkerBuilder::new(&format!("pg_outbox worker {slot}"))
+            .set_type("pg_outbox worker")
+            .set_library("pg_outbox")
+            .set_function("pg_outbox_worker_main")
+            .set_argument(Some(pg_sys::Datum::from(slot)))
+            .enable_spi_access()
+            .set_start_time(BgWorkerStartTime::RecoveryFinished)
+            // pgrx's default is never; a worker that exits (crash, SIGTERM, new database) comes back.
+            .set_restart_time(Some(Duration::from_secs(1)))
+            .load();
+    }
+}
+
+/// Sets the latch of every worker. Safe to call from a commit callback: no allocation, no ERROR.
+pub fn wake_all() {
+    if !preloaded() {
+        return;
+    }
+    let table = WORKERS.share();
+    for slot in table.slots.iter() {
+        if slot.proc_ptr != 0 {
+            // SAFETY: the pointer was MyProc of a worker; PGPROCs live in shared memory for the
+            // life of the cluster, so at worst a stale one wakes another process spuriously.
+            unsafe {
+                pg_sys::SetLatch(&raw mut (*(slot.proc_ptr as *mut pg_sys::PGPROC)).procLatch)
+            };
+        }
+    }
+}
+
+thread_local! {
+    static WAKE_REGISTERED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Wakes the workers when the current transaction commits (once per transaction, however many
+/// events it raises). A rollback wakes nobody.
+pub fn wake_at_commit() {
+    if !preloaded() || WAKE_REGISTERED.with(|r| r.replace(true)) {
+        return;
+    }
+    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
+        WAKE_REGISTERED.with(|r| r.set(false));
+        wake_all();
+    });
+    pgrx::register_xact_callback(PgXactCallbackEvent::Abort, || {
+        WAKE_REGISTERED.with(|r| r.set(false))
+    });
+}
+
+fn with_slot(slot: usize, f: impl FnOnce(&mut Slot)) {
+    if let Some(s) = WORKERS.exclusive().slots.get_mut(slot) {
+        f(s)
+    }
+}
+
+fn now() -> i64 {
+    // SAFETY: reads the clock.
+    unsafe { pg_sys::GetCurrentTimestamp() }
+}
+
+pub(crate) fn slot_started(slot: usize) {
+    with_slot(slot, |s| {
+        *s = Slot::default();
+        // SAFETY: MyProc and MyProcPid are set for a connected worker.
+        unsafe {
+            s.proc_ptr = pg_sys::MyProc as usize;
+            s.pid = pg_sys::MyProcPid;
+        }
+        s.started_at = now();
+    })
+}
+
+pub(crate) fn slot_stopped(slot: usize) {
+    with_slot(slot, |s| {
+        s.proc_ptr = 0;
+        s.pid = 0;
+    })
+}
+
+pub(crate) fn slot_pass(slot: usize, delivered: u64) {
+    with_slot(slot, |s| {
+        s.last_pass_at = now();
+        s.passes += 1;
+        s.delivered += delivered;
+    })
+}
+
+pub(crate) fn slot_failure(slot: usize, error: &str) {
+    with_slot(slot, |s| {
+        s.failures += 1;
+        let mut n = error.len().min(ERROR_BYTES);
+        while !error.is_char_boundary(n) {
+            n -= 1;
+        }
+        s.last_error[..n].copy_from_slice(&error.as_bytes()[..n]);
+        s.last_error_len = n as u16;
+    })
+}
+
+/// The workers of this cluster: one row per configured slot.
+#[pg_extern(volatile, parallel_safe)]
+#[allow(clippy::type_complexity)]
+fn workers() -> TableIterator<
+    'static,
+    (
+        name!(slot, i32),
+        name!(pid, Option<i32>),
+        name!(started_at, Option<TimestampWithTimeZone>),
+        name!(last_pass_at, Option<TimestampWithTimeZone>),
+        name!(passes, i64),
+        name!(delivered, i64),
+        name!(failures, i64),
+        name!(last_error, Option<String>),
+    ),
+> {
+    if !preloaded() {
+        crate::error::Error::NotPreloaded.report();
+    }
+    let table = *WORKERS.share();
+    let ts = |t: i64| {
+        (t != 0)
+            .then(|| TimestampWithTimeZone::try_from(t).ok())
+            .flatten()
+    };
+    let n = settings::WORKERS.get().clamp(0, settings::MAX_WORKERS) as usize;
+    TableIterator::new(
+        table
+            .slots
+            .into_iter()
+            .take(n)
+            .enumerate()
+            .map(move |(i, s)| {
+                (
+                    i as i32,
+                    (s.pid != 0).then_some(s.pid),
+                    ts(s.started_at),
+                    ts(s.last_pass_at),
+                    s.passes as i64,
+                    s.delivered as i64,
+                    s.failures as i64,
+                    (s.last_error_len > 0).then(|| {
+                        String::from_utf8_lossy(&s.last_error[..s.last_error_len as usize])
+                            .into_owned()
+                    }),
+                )
+            }),
+    )
+}
+
+/// Wakes the workers now (operators; a commit that raised events wakes them by itself).
+#[pg_extern(volatile, parallel_unsafe)]
+fn wake() {
+    if !preloaded() {
+        crate::error::Error::NotPreloaded.report();
+    }
+    wake_all();
+}

@@ -1,0 +1,217 @@
+//! The worker's main loop.
+//!
+//! One loop serves every sink and pruning, each step in its own short transaction, and waits on
+//! its latch in between: a commit that raised events sets it, `pg_outbox.poll_interval` is only
+//! the fallback. An error in one step is logged, recorded and the loop goes on: a bad row must not
+//! crash-loop the worker. The worker never exits 0 (that would unregister it for good): on SIGTERM
+//! or a new `pg_outbox.database` it exits 1 and the postmaster starts it again.
+
+use super::{slot_failure, slot_pass, slot_started, slot_stopped};
+use crate::dispatch::{self, PassResult};
+use crate::settings;
+use crate::transaction::in_transaction;
+use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
+use pgrx::prelude::*;
+use std::time::{Duration, Instant};
+
+/// What the installed SQL of this database looks like to this binary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Installed {
+    Ready,
+    Missing,
+    Other(String),
+}
+
+fn installed() -> Installed {
+    let version = crate::query::one::<String>(
+        "SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'pg_outbox'",
+        &[],
+    );
+    match version {
+        None => Installed::Missing,
+        Some(v) if v == env!("CARGO_PKG_VERSION") => Installed::Ready,
+        Some(v) => Installed::Other(v),
+    }
+}
+
+struct Worker {
+    slot: usize,
+    database: String,
+    /// The state last warned about, so an idle worker says why once, not every poll.
+    warned: Option<Installed>,
+    last_prune: Option<Instant>,
+    /// While committed events wait behind the horizon, re-check sooner than the poll interval.
+    waiting_backoff: Duration,
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
+    let slot = arg.value();
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    let database = settings::database();
+    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    slot_started(slot);
+    let mut worker = Worker {
+        slot,
+        database,
+        warned: None,
+        last_prune: None,
+        waiting_backoff: Duration::ZERO,
+    };
+    worker.run();
+    slot_stopped(slot);
+    // SAFETY: ends this process; exit code 1 asks the postmaster to start the worker again.
+    unsafe { pg_sys::proc_exit(1) };
+}
+
+impl Worker {
+    fn run(&mut self) {
+        pgrx::log!(
+            "pg_outbox worker {} started in database \"{}\"",
+            self.slot,
+            self.database
+        );
+        loop {
+            if BackgroundWorker::sigterm_received() {
+                return;
+            }
+            if BackgroundWorker::sighup_received() {
+                // SAFETY: the documented way to reload configuration in a background worker.
+                unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+                if settings::database() != self.database {
+                    pgrx::log!(
+                        "pg_outbox worker {} restarting: pg_outbox.database changed to \"{}\"",
+                        self.slot,
+                        settings::database()
+                    );
+                    return;
+                }
+            }
+            let timeout = self.step();
+            if !wait(timeout) {
+                return;
+            }
+        }
+    }
+
+    /// One round: every due sink once, pruning when due. Returns how long to sleep.
+    fn step(&mut self) -> Duration {
+        let poll = settings::ms(&settings::POLL_INTERVAL_MS);
+        if !settings::ENABLED.get() {
+            return poll;
+        }
+        let state = match in_transaction(installed) {
+            Ok(state) => state,
+            Err(e) => {
+                self.failed(&e.to_string());
+                return poll;
+            }
+        };
+        if state != Installed::Ready {
+            if self.warned.as_ref() != Some(&state) {
+                match &state {
+                    Installed::Missing => pgrx::warning!(
+                        "pg_outbox worker {} is idle: the extension is not installed in database \"{}\"",
+                        self.slot,
+                        self.database
+                    ),
+                    Installed::Other(v) => pgrx::warning!(
+                        "pg_outbox worker {} is idle: the installed SQL is version {v}, this binary is {}; run ALTER EXTENSION pg_outbox UPDATE",
+                        self.slot,
+                        env!("CARGO_PKG_VERSION")
+                    ),
+                    Installed::Ready => {}
+                }
+                self.warned = Some(state);
+            }
+            return poll;
+        }
+        self.warned = None;
+
+        let mut sleep = poll;
+        let mut busy = false;
+        let sinks = match in_transaction(|| dispatch::due_sinks(self.slot)) {
+            Ok(s) => s,
+            Err(e) => {
+                self.failed(&e.to_string());
+                return poll;
+            }
+        };
+        for sink in sinks.due {
+            if BackgroundWorker::sigterm_received() {
+                return Duration::ZERO;
+            }
+            match in_transaction(|| dispatch::pass(&sink)) {
+                Ok(PassResult::Delivered { events, full }) => {
+                    slot_pass(self.slot, events as u64);
+                    busy |= full;
+                }
+                Ok(PassResult::Retry) => busy = true,
+                Ok(_) => slot_pass(self.slot, 0),
+                Err(e) => self.failed(&format!("sink \"{sink}\": {e}")),
+            }
+        }
+        if let Some(next) = sinks.next_attempt_in {
+            sleep = sleep.min(next);
+        }
+        if busy {
+            return Duration::ZERO;
+        }
+        if self.slot == 0 || sinks.count == 0 {
+            self.maybe_prune();
+        }
+        // Events committed but not yet readable: a transaction holds the horizon. Look again soon
+        // (2 ms doubling to 100 ms) instead of after a full poll interval.
+        match in_transaction(dispatch::events_waiting) {
+            Ok(true) if sinks.count > 0 => {
+                self.waiting_backoff = (self.waiting_backoff * 2)
+                    .clamp(Duration::from_millis(2), Duration::from_millis(100));
+                sleep.min(self.waiting_backoff)
+            }
+            _ => {
+                self.waiting_backoff = Duration::ZERO;
+                sleep
+            }
+        }
+    }
+
+    fn maybe_prune(&mut self) {
+        let interval = settings::secs(&settings::PRUNE_INTERVAL_S);
+        if self.last_prune.is_some_and(|t| t.elapsed() < interval) {
+            return;
+        }
+        self.last_prune = Some(Instant::now());
+        match in_transaction(crate::prune::prune_for_worker) {
+            Ok(n) if n > 0 => pgrx::log!("pg_outbox: pruned {n} events"),
+            Ok(_) => {}
+            Err(e) => self.failed(&format!("pruning: {e}")),
+        }
+    }
+
+    fn failed(&self, error: &str) {
+        pgrx::warning!("pg_outbox worker {}: {error}", self.slot);
+        slot_failure(self.slot, error);
+    }
+}
+
+/// Waits for the latch or the timeout. False when the postmaster died.
+fn wait(timeout: Duration) -> bool {
+    if timeout.is_zero() {
+        pg_sys::check_for_interrupts!();
+        return true;
+    }
+    // SAFETY: the standard latch wait of a background worker.
+    let rc = unsafe {
+        let rc = pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_POSTMASTER_DEATH) as i32,
+            timeout.as_millis().min(i32::MAX as u128) as std::ffi::c_long,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+        rc
+    };
+    pg_sys::check_for_interrupts!();
+    rc & pg_sys::WL_POSTMASTER_DEATH as i32 == 0
+}

@@ -555,9 +555,12 @@ fn the_worker_prunes_on_a_timer_only_what_every_consumer_passed() {
 #[test]
 fn drop_extension_with_the_worker_running_succeeds_and_the_worker_idles() {
     let (db, mut c) = setup("sink_drop_ext");
-    recording_sink(&mut c, "books", "");
+    recording_sink(&mut c, "books", ", batch_size => 5");
+    // Slow batches, so that the DROP lands while a worker is inside a pass.
+    c.batch_execute("UPDATE control SET sleep = 0.3").unwrap();
     c.batch_execute("SELECT outbox.raise('load.tick') FROM generate_series(1, 50)")
         .unwrap();
+    wait_ledger(&mut c, "books", 5, Duration::from_secs(10));
     let start = Instant::now();
     c.batch_execute("DROP EXTENSION pg_outbox CASCADE").unwrap();
     assert!(start.elapsed() < Duration::from_secs(5));

@@ -1,8 +1,8 @@
-//! Who is calling, and acting as the schema's owner.
+//! Who is calling, and acting as the owner of the log.
 //!
 //! The tables of schema `outbox` grant nothing to PUBLIC. Functions that need the caller's
 //! identity (to record or check who owns a consumer) are SECURITY INVOKER: they read the caller,
-//! check it, then run their fixed, schema-qualified SQL as the owner of schema `outbox` -- the
+//! check it, then run their fixed, schema-qualified SQL as the owner of the log -- the
 //! same switch Postgres makes for a SECURITY DEFINER function, but after the check instead of
 //! before it.
 
@@ -22,29 +22,37 @@ pub fn acts_for(role: pg_sys::Oid, owner: pg_sys::Oid) -> bool {
     unsafe { pg_sys::has_privs_of_role(role, owner) }
 }
 
-fn schema_owner() -> pg_sys::Oid {
+/// The owner of `outbox.events`: the role that ran CREATE EXTENSION (the same role owns raise and
+/// read, which are SECURITY DEFINER). Not the schema's owner: a schema that existed before the
+/// extension, or was given away later, must not decide whose rights these functions use.
+fn log_owner() -> pg_sys::Oid {
     // SAFETY: syscache lookups by name and oid; the tuple is released before returning and only
     // a plain Oid is copied out of it.
     unsafe {
         let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
-        if nsp == pg_sys::InvalidOid {
+        let relid = if nsp == pg_sys::InvalidOid {
+            pg_sys::InvalidOid
+        } else {
+            pg_sys::get_relname_relid(c"events".as_ptr(), nsp)
+        };
+        if relid == pg_sys::InvalidOid {
             Error::NotInstalled.report();
         }
         let tuple = pg_sys::SearchSysCache1(
-            pg_sys::SysCacheIdentifier::NAMESPACEOID as i32,
-            pg_sys::Datum::from(nsp),
+            pg_sys::SysCacheIdentifier::RELOID as i32,
+            pg_sys::Datum::from(relid),
         );
         if tuple.is_null() {
             Error::NotInstalled.report();
         }
-        let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_namespace>(tuple);
-        let owner = (*form).nspowner;
+        let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_class>(tuple);
+        let owner = (*form).relowner;
         pg_sys::ReleaseSysCache(tuple);
         owner
     }
 }
 
-/// Runs `f` as the owner of schema `outbox`, with `search_path = pg_catalog, pg_temp`.
+/// Runs `f` as the owner of the log (see `log_owner`), with `search_path = pg_catalog, pg_temp`.
 ///
 /// This is what Postgres does for a SECURITY DEFINER function with a pinned search_path. If `f`
 /// raises an ERROR, the (sub)transaction abort restores the previous user and settings; on a
@@ -60,7 +68,7 @@ pub fn as_owner<R>(f: impl FnOnce() -> R) -> R {
             }
         }
     }
-    let owner = schema_owner();
+    let owner = log_owner();
     let (mut user, mut context) = (pg_sys::InvalidOid, 0i32);
     // SAFETY: out-parameters are valid locals; the new context keeps every flag already set and
     // adds LOCAL_USERID_CHANGE, so SET ROLE inside cannot escape it.

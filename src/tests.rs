@@ -26,12 +26,24 @@ mod tests {
 
     #[pg_test]
     fn events_in_one_transaction_take_increasing_positions() {
-        Spi::run("SELECT outbox.raise('a.b') FROM generate_series(1, 200)").unwrap();
-        Spi::run("SELECT outbox.raise_many(ARRAY['a.c'], array_fill('{}'::jsonb, ARRAY[300]))")
-            .unwrap();
-        assert!(one::<bool>(
-            "SELECT bool_and(seq > prev) FROM (SELECT seq, lag(seq, 1, 0::bigint) OVER (ORDER BY seq) prev FROM outbox.events) s"
-        ));
+        // Raised in the order of i: ordered by position, i must come back in that order.
+        Spi::run(
+            "SELECT outbox.raise('a.b', jsonb_build_object('i', i)) FROM generate_series(1, 200) i",
+        )
+        .unwrap();
+        Spi::run(
+            "SELECT outbox.raise_many(ARRAY['a.c'], array_agg(jsonb_build_object('i', i) ORDER BY i)) \
+               FROM generate_series(201, 500) i",
+        )
+        .unwrap();
+        assert_eq!(
+            one::<String>(
+                "SELECT string_agg(payload->>'i', ',' ORDER BY txid, seq) = \
+                        (SELECT string_agg(i::text, ',' ORDER BY i) FROM generate_series(1, 500) i)::text \
+                   FROM outbox.events"
+            ),
+            "true"
+        );
         assert_eq!(
             one::<i64>("SELECT count(DISTINCT txid) FROM outbox.events"),
             1

@@ -58,9 +58,14 @@ impl FromStr for Position {
             )
         };
         let (txid, seq) = text.split_once(':').ok_or_else(malformed)?;
-        // Digits only: no signs, spaces or exponents, so that one position has one spelling.
-        let digits =
-            |s: &str| !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit());
+        // Digits only, no leading zeros: no signs, spaces or exponents, so that one position has
+        // one spelling.
+        let digits = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 20
+                && s.bytes().all(|b| b.is_ascii_digit())
+                && (s == "0" || !s.starts_with('0'))
+        };
         if !digits(txid) || !digits(seq) {
             return Err(malformed());
         }
@@ -88,6 +93,8 @@ impl FromStr for StartAt {
         match text {
             "origin" => Ok(StartAt::Origin),
             "now" => Ok(StartAt::Now),
+            // Something that looks like a position is parsed as one, with its own error.
+            other if other.contains(':') => other.parse::<Position>().map(StartAt::After),
             other => other.parse::<Position>().map(StartAt::After).map_err(|_| {
                 Invalid::new(
                     InvalidKind::Parameter,
@@ -141,6 +148,8 @@ mod tests {
             "1:9223372036854775808",
             "1e3:1",
             "１:2",
+            "007:1",
+            "1:00",
         ] {
             let err = bad.parse::<Position>().unwrap_err();
             assert_eq!(err.kind, InvalidKind::Text, "{bad:?}");
@@ -180,6 +189,10 @@ mod tests {
         assert_eq!(
             "".parse::<StartAt>().unwrap_err().kind,
             InvalidKind::Parameter
+        );
+        assert_eq!(
+            "5:x".parse::<StartAt>().unwrap_err().kind,
+            InvalidKind::Text
         );
         assert_eq!(StartAt::Origin.cursor(50), Position::ORIGIN);
         assert_eq!(StartAt::Now.cursor(50), Position::new(50, 0));

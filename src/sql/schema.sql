@@ -104,8 +104,12 @@ BEGIN
     IF consumer IS NULL THEN
         RAISE EXCEPTION 'consumer must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    IF max_events IS NULL OR max_events < 1 OR max_events > 100000 THEN
-        RAISE EXCEPTION 'max_events must be between 1 and 100000, not %', coalesce(max_events::text, 'NULL')
+    IF max_events IS NULL THEN
+        RAISE EXCEPTION 'max_events must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- 100000: pg_outbox_core::limits::READ_MAX (the result is materialised).
+    IF max_events < 1 OR max_events > 100000 THEN
+        RAISE EXCEPTION 'max_events must be between 1 and 100000, not %', max_events
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     SELECT * INTO c FROM outbox.consumers WHERE name = consumer;

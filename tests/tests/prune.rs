@@ -128,3 +128,48 @@ fn prune_refuses_bad_input() {
         assert_eq!(sqlstate(&mut c, sql), code, "{sql}");
     }
 }
+
+#[test]
+fn prune_waits_for_a_consumer_being_created_and_then_respects_it() {
+    let db = test_db("prune_race");
+    let mut c = db.connect();
+    c.batch_execute(
+        "SELECT outbox.create_consumer('done'); SELECT outbox.raise('p.e') FROM generate_series(1, 10)",
+    )
+    .unwrap();
+    let last = read(&mut c, "done", 10)[9].0.clone();
+    c.execute("SELECT outbox.advance('done', $1)", &[&last])
+        .unwrap();
+    // A consumer starting at the origin, not yet committed, while prune runs.
+    let mut creator = db.connect();
+    creator
+        .batch_execute("BEGIN; SELECT outbox.create_consumer('newcomer')")
+        .unwrap();
+    let mut p = db.connect();
+    let pruner = std::thread::spawn(move || -> i64 {
+        p.query_one("SELECT outbox.prune('0 seconds')", &[])
+            .unwrap()
+            .get(0)
+    });
+    pg_outbox_tests::eventually(
+        "prune to wait for the cursor lock",
+        std::time::Duration::from_secs(10),
+        || {
+            let waiting: i64 = c
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' AND query LIKE '%outbox.prune%'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+            (waiting == 1).then_some(())
+        },
+    );
+    creator.batch_execute("COMMIT").unwrap();
+    assert_eq!(
+        pruner.join().unwrap(),
+        0,
+        "the newcomer at the origin holds the log"
+    );
+    assert_eq!(read(&mut c, "newcomer", 100).len(), 10);
+}

@@ -102,7 +102,7 @@ fn ten_thousand_events_from_eight_connections_reach_a_sink_once_and_in_order() {
                     for j in 0..k {
                         tx.execute(
                             "SELECT outbox.raise('load.tick', jsonb_build_object('w', $1::int, 'i', $2::int))",
-                            &[&(w as i32), &((i + j) as i32)],
+                            &[&w, &(i + j)],
                         )
                         .unwrap();
                     }

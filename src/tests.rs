@@ -38,11 +38,12 @@ mod tests {
         .unwrap();
         assert_eq!(
             one::<String>(
-                "SELECT string_agg(payload->>'i', ',' ORDER BY txid, seq) = \
-                        (SELECT string_agg(i::text, ',' ORDER BY i) FROM generate_series(1, 500) i)::text \
-                   FROM outbox.events"
+                "SELECT string_agg(payload->>'i', ',' ORDER BY txid, seq) FROM outbox.events"
             ),
-            "true"
+            (1..=500)
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
         );
         assert_eq!(
             one::<i64>("SELECT count(DISTINCT txid) FROM outbox.events"),

@@ -61,8 +61,24 @@ extern "C" fn stop_cluster_at_exit() {
 }
 
 impl Cluster {
+    /// The test cluster: fsync off (tests measure behaviour, not durability cost), short back-off.
     fn start() -> Cluster {
-        let dir = PathBuf::from(format!("/tmp/pg_outbox_it.{}", std::process::id()));
+        // SAFETY: registering a plain extern "C" fn; it only reads the OnceLock.
+        unsafe { libc::atexit(stop_cluster_at_exit) };
+        Cluster::start_with(
+            "pg_outbox_it",
+            &[
+                "fsync = off",
+                "max_prepared_transactions = 4",
+                "pg_outbox.max_backoff = '1s'",
+            ],
+        )
+    }
+
+    /// A throwaway cluster under /tmp/<name>.<pid> with pg_outbox preloaded and `settings` added
+    /// to postgresql.conf. Stop it with `stop` (tests' shared cluster stops at process exit).
+    pub fn start_with(name: &str, settings: &[&str]) -> Cluster {
+        let dir = PathBuf::from(format!("/tmp/{name}.{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("creating the cluster directory");
         if is_root() {
@@ -90,12 +106,15 @@ impl Cluster {
         ]);
         run(initdb, "initdb");
         let port = 40000 + (std::process::id() % 20000) as u16;
-        let conf = format!(
+        let mut conf = format!(
             "listen_addresses = ''\nunix_socket_directories = '{}'\nport = {port}\n\
-             shared_preload_libraries = 'pg_outbox'\nfsync = off\nmax_prepared_transactions = 4\n\
-             log_min_messages = warning\npg_outbox.max_backoff = '1s'\n",
+             shared_preload_libraries = 'pg_outbox'\nlog_min_messages = warning\n",
             dir.display()
         );
+        for line in settings {
+            conf.push_str(line);
+            conf.push('\n');
+        }
         std::fs::OpenOptions::new()
             .append(true)
             .open(data.join("postgresql.conf"))
@@ -113,12 +132,11 @@ impl Cluster {
             "start",
         ]);
         run(start, "pg_ctl start");
-        // SAFETY: registering a plain extern "C" fn; it only reads the OnceLock.
-        unsafe { libc::atexit(stop_cluster_at_exit) };
         Cluster { dir, port }
     }
 
-    fn stop(&self) {
+    /// Stops the server and deletes its directory.
+    pub fn stop(&self) {
         let mut stop = pg_command("pg_ctl");
         stop.args([
             "-D",

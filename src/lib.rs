@@ -36,11 +36,12 @@ pgrx::extension_sql_file!("sql/privileges.sql", name = "privileges", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
-    settings::init();
     // SAFETY: reads a postmaster global. Only a preload may request shared memory and register
     // workers; CREATE EXTENSION and plain LOAD get the SQL functions, and the ones that need the
     // workers refuse with a hint (worker::preloaded()).
-    if unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+    let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
+    settings::init(preloading);
+    if preloading {
         worker::register();
     }
 }

@@ -43,7 +43,10 @@ pub static PRUNE_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
 /// Off: workers stay connected but deliver nothing (maintenance windows).
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 
-pub fn init() {
+/// Defines the settings. `preloading`: whether shared_preload_libraries is being processed; a
+/// postmaster-context setting may only be defined then (defining it in a backend that loads the
+/// library for CREATE EXTENSION is a FATAL error), and without the workers it means nothing.
+pub fn init(preloading: bool) {
     GucRegistry::define_string_guc(
         c"pg_outbox.database",
         c"Database the pg_outbox workers deliver in.",
@@ -52,16 +55,18 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::default(),
     );
-    GucRegistry::define_int_guc(
-        c"pg_outbox.workers",
-        c"Number of pg_outbox worker processes.",
-        c"They share the sinks: each sink is delivered by one worker at a time.",
-        &WORKERS,
-        0,
-        MAX_WORKERS,
-        GucContext::Postmaster,
-        GucFlags::default(),
-    );
+    if preloading {
+        GucRegistry::define_int_guc(
+            c"pg_outbox.workers",
+            c"Number of pg_outbox worker processes.",
+            c"They share the sinks: each sink is delivered by one worker at a time.",
+            &WORKERS,
+            0,
+            MAX_WORKERS,
+            GucContext::Postmaster,
+            GucFlags::default(),
+        );
+    }
     GucRegistry::define_int_guc(
         c"pg_outbox.poll_interval",
         c"How long an idle worker sleeps when no commit wakes it.",

@@ -22,6 +22,8 @@ const ERROR_BYTES: usize = 200;
 pub struct Slot {
     proc_ptr: usize,
     pid: i32,
+    /// The database the worker is connected to (an Oid), so DROP DATABASE can ask it to leave.
+    database: u32,
     started_at: i64,
     last_pass_at: i64,
     passes: u64,
@@ -36,6 +38,7 @@ impl Default for Slot {
         Slot {
             proc_ptr: 0,
             pid: 0,
+            database: 0,
             started_at: 0,
             last_pass_at: 0,
             passes: 0,
@@ -70,6 +73,12 @@ pub fn preloaded() -> bool {
 pub fn register() {
     pg_shmem_init!(WORKERS);
     PRELOADED.store(true, Ordering::Relaxed);
+    // SAFETY: hooks are installed once, in the postmaster, while preloading; the previous hook
+    // is kept and called first.
+    unsafe {
+        PREV_OBJECT_ACCESS_HOOK = pg_sys::object_access_hook;
+        pg_sys::object_access_hook = Some(on_object_access);
+    }
     // SAFETY: reading a postmaster global during _PG_init.
     if unsafe { pg_sys::IsBinaryUpgrade } {
         return; // pg_upgrade starts the server only to move catalogs: deliver nothing
@@ -85,6 +94,46 @@ pub fn register() {
             // pgrx's default is never; a worker that exits (crash, SIGTERM, new database) comes back.
             .set_restart_time(Some(Duration::from_secs(1)))
             .load();
+    }
+}
+
+static mut PREV_OBJECT_ACCESS_HOOK: pg_sys::object_access_hook_type = None;
+
+/// DROP DATABASE waits up to 5 s for other sessions to leave the database and then fails; it
+/// only asks autovacuum to go. Its drop hook runs before that wait, so here the backend dropping
+/// our workers' database asks them to leave: SIGINT cancels a handler in flight, SIGTERM ends the
+/// worker (it exits 1 and is started again, and waits for the drop to finish before it connects).
+#[pg_guard]
+unsafe extern "C-unwind" fn on_object_access(
+    access: pg_sys::ObjectAccessType::Type,
+    class_id: pg_sys::Oid,
+    object_id: pg_sys::Oid,
+    sub_id: std::ffi::c_int,
+    arg: *mut std::ffi::c_void,
+) {
+    // SAFETY: chaining to the hook that was installed before ours, with the same arguments.
+    unsafe {
+        if let Some(prev) = PREV_OBJECT_ACCESS_HOOK {
+            prev(access, class_id, object_id, sub_id, arg);
+        }
+    }
+    if access != pg_sys::ObjectAccessType::OAT_DROP || class_id != pg_sys::DatabaseRelationId {
+        return;
+    }
+    let pids: Vec<i32> = WORKERS
+        .share()
+        .slots
+        .iter()
+        .filter(|s| s.pid != 0 && s.database == object_id.to_u32())
+        .map(|s| s.pid)
+        .collect();
+    for pid in pids {
+        pgrx::log!("pg_outbox: asking worker (pid {pid}) to leave the database being dropped");
+        // SAFETY: signalling a server process of this cluster, as pg_terminate_backend does.
+        unsafe {
+            libc::kill(pid, libc::SIGINT);
+            libc::kill(pid, libc::SIGTERM);
+        }
     }
 }
 
@@ -142,6 +191,7 @@ pub(crate) fn slot_started(slot: usize) {
         unsafe {
             s.proc_ptr = pg_sys::MyProc as usize;
             s.pid = pg_sys::MyProcPid;
+            s.database = pg_sys::MyDatabaseId.to_u32();
         }
         s.started_at = now();
     })

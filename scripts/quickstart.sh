@@ -26,7 +26,7 @@ cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >"
   || { cat /tmp/pg_outbox-install.log; exit 1; }
 
 cluster_stop "$DIR"
-cluster_start "$DIR" "$PORT"
+cluster_start "$DIR" "$PORT" "pg_outbox.database = 'app'"
 cluster_psql "$DIR" "$PORT" -d postgres -c "CREATE DATABASE app" >/dev/null
 
 run() { cluster_psql "$DIR" "$PORT" -d app --echo-queries "$@"; }
@@ -82,7 +82,24 @@ SQL
 
 cat <<'TXT'
 
-== 6. The read horizon: nothing is holding delivery back right now
+== 6. A SQL sink: the background worker pushes every event to a function, exactly once
+TXT
+run <<'SQL'
+CREATE TABLE shipments (position text, order_id int, carrier text);
+CREATE FUNCTION ship(events outbox.event[]) RETURNS void LANGUAGE sql AS $$
+  INSERT INTO public.shipments
+  SELECT e.position, (e.payload->>'order')::int, e.payload->>'carrier' FROM unnest(events) e
+$$;
+SELECT outbox.create_sink('shipping', 'ship(outbox.event[])', topics => ARRAY['order.shipped']);
+SELECT outbox.raise('order.shipped', '{"order": 44, "carrier": "ups"}');
+SELECT pg_sleep(0.5);
+SELECT * FROM shipments;
+SELECT name, kind, position, events_behind, state FROM outbox.status();
+SQL
+
+cat <<'TXT'
+
+== 7. The read horizon: nothing is holding delivery back right now
 TXT
 run -c "SELECT horizon, waiting_events, pid, state FROM outbox.horizon()"
 

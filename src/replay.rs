@@ -105,7 +105,7 @@ fn replay_one(sink: Option<&str>, position: Option<&str>) -> bool {
         Error::NoDeadLetter { sink, position }.report();
     }
     pgrx::log!("pg_outbox: replay of event {position} to sink \"{sink}\" requested");
-    crate::worker::wake_at_commit();
+    crate::worker::wake_at_commit_always();
     true
 }
 
@@ -115,6 +115,6 @@ fn replay_all(sink: Option<&str>) -> i64 {
     let sink = owned_sink(sink);
     let n = request(&sink, None);
     pgrx::log!("pg_outbox: replay of {n} dead events to sink \"{sink}\" requested");
-    crate::worker::wake_at_commit();
+    crate::worker::wake_at_commit_always();
     n
 }

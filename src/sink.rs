@@ -111,7 +111,7 @@ fn create_sink(
         )
     })
     .unwrap_or_else(|e| panic!("creating sink: {e}"));
-    crate::worker::wake_at_commit();
+    crate::worker::wake_at_commit_always();
     cursor.to_string()
 }
 
@@ -152,7 +152,7 @@ fn resume_sink(id: Option<&str>) {
         )
     })
     .unwrap_or_else(|e| panic!("updating sink: {e}"));
-    crate::worker::wake_at_commit();
+    crate::worker::wake_at_commit_always();
 }
 
 /// Drops a sink, its cursor and its dead letters.

@@ -46,8 +46,11 @@ unsafe fn disable_timeout(id: i32, keep_indicator: bool) {
 const SINK_LEASE_CLASS: i32 = 0x6f75_7473;
 
 pub enum PassResult {
-    /// Another worker holds the sink, or it is paused, not due, or gone.
+    /// The sink is paused, not due, or gone (or DDL holds the tables).
     Skipped,
+    /// Another worker holds the sink's lease: it may not have seen the newest events, so this
+    /// worker should look again soon.
+    Contended,
     /// Nothing to read.
     Idle,
     /// `events` handed over (or skipped by topic); `full` when the window was full (read again).
@@ -145,8 +148,9 @@ pub fn events_waiting() -> bool {
         return false;
     }
     crate::query::one::<bool>(
-        "SELECT EXISTS (SELECT 1 FROM outbox.events \
-                         WHERE txid >= pg_catalog.pg_snapshot_xmin(pg_catalog.pg_current_snapshot()))",
+        // max(txid) reads one entry at the end of the primary key; an EXISTS over the inequality
+        // was planned as a sequential scan (25 ms on 400,000 events, every round).
+        "SELECT max(txid) >= pg_catalog.pg_snapshot_xmin(pg_catalog.pg_current_snapshot()) FROM outbox.events",
         &[],
     )
     .unwrap_or(false)
@@ -165,6 +169,14 @@ struct Sink {
     event_array_type: pg_sys::Oid,
 }
 
+enum Leased {
+    Sink(Sink),
+    /// Another worker holds the lease.
+    Contended,
+    /// Paused, not due, or gone.
+    Absent,
+}
+
 /// Takes the sink's lease and reads its state. None: another worker holds it, or it is paused,
 /// not due, or gone.
 ///
@@ -172,14 +184,17 @@ struct Sink {
 /// pass a transaction id from its first statement, and a transaction id held through a slow
 /// handler holds back the read horizon of every reader in the cluster. This way the pass takes an
 /// id only when its handler first writes, and when it saves the cursor at the end.
-fn lease(client: &SpiClient<'_>, id: &str) -> Result<Option<Sink>, pgrx::spi::Error> {
+fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
     let locked = client.select(
         "SELECT pg_catalog.pg_try_advisory_xact_lock($2, s.lease_key) FROM outbox.sinks s WHERE s.id = $1",
         Some(1),
         &[DatumWithOid::from(id), DatumWithOid::from(SINK_LEASE_CLASS)],
     )?;
-    if locked.is_empty() || locked.first().get_one::<bool>()? != Some(true) {
-        return Ok(None);
+    if locked.is_empty() {
+        return Ok(Leased::Absent);
+    }
+    if locked.first().get_one::<bool>()? != Some(true) {
+        return Ok(Leased::Contended);
     }
     // The previous holder committed before it released the lease: a snapshot taken now sees its
     // cursor. (The statement above ran on an older one.)
@@ -214,7 +229,7 @@ fn lease(client: &SpiClient<'_>, id: &str) -> Result<Option<Sink>, pgrx::spi::Er
             event_array_type: r.get(10)?.expect("type oid"),
         });
     }
-    Ok(found)
+    Ok(found.map_or(Leased::Absent, Leased::Sink))
 }
 
 /// A window of the log after the cursor: how many events, the last position, and the events the
@@ -346,7 +361,11 @@ pub fn pass(id: &str) -> PassResult {
         return PassResult::Skipped;
     }
     Spi::connect_mut(|client| {
-        let Some(sink) = lease(&*client, id)? else { return Ok(PassResult::Skipped) };
+        let sink = match lease(&*client, id)? {
+            Leased::Sink(sink) => sink,
+            Leased::Contended => return Ok(PassResult::Contended),
+            Leased::Absent => return Ok(PassResult::Skipped),
+        };
         if let Some(result) = crate::replay::deliver_requested(client, &sink.id, |c, events| deliver(c, &sink, events))? {
             return Ok(result);
         }

@@ -24,6 +24,8 @@ pub struct Slot {
     pid: i32,
     /// The database the worker is connected to (an Oid), so DROP DATABASE can ask it to leave.
     database: u32,
+    /// In a round (not waiting on its latch): a commit wakes an idle worker instead.
+    busy: bool,
     started_at: i64,
     last_pass_at: i64,
     passes: u64,
@@ -39,6 +41,7 @@ impl Default for Slot {
             proc_ptr: 0,
             pid: 0,
             database: 0,
+            busy: false,
             started_at: 0,
             last_pass_at: 0,
             passes: 0,
@@ -53,6 +56,10 @@ impl Default for Slot {
 #[derive(Copy, Clone, Default)]
 pub struct WorkerTable {
     slots: [Slot; settings::MAX_WORKERS as usize],
+    /// Whether the workers' database has any sink, as the workers last saw it. Commits wake the
+    /// workers only then: without sinks a round finds nothing, and a wake per commit would spend
+    /// the CPU the writers need.
+    has_sinks: bool,
 }
 
 // SAFETY: plain old data (integers and byte arrays), valid at any bit pattern, no pointers that
@@ -137,20 +144,24 @@ unsafe extern "C-unwind" fn on_object_access(
     }
 }
 
-/// Sets the latch of every worker. Safe to call from a commit callback: no allocation, no ERROR.
-pub fn wake_all() {
+fn set_latch(slot: &Slot) {
+    // SAFETY: the pointer was MyProc of a worker; PGPROCs live in shared memory for the life of
+    // the cluster, so at worst a stale one wakes another process spuriously.
+    unsafe { pg_sys::SetLatch(&raw mut (*(slot.proc_ptr as *mut pg_sys::PGPROC)).procLatch) };
+}
+
+/// Sets the latch of one idle worker (it serves every sink in its round), or of every worker
+/// when all are in a round (each looks again when it ends). Safe in a commit callback: no
+/// allocation, no ERROR.
+pub fn wake_one() {
     if !preloaded() {
         return;
     }
     let table = WORKERS.share();
-    for slot in table.slots.iter() {
-        if slot.proc_ptr != 0 {
-            // SAFETY: the pointer was MyProc of a worker; PGPROCs live in shared memory for the
-            // life of the cluster, so at worst a stale one wakes another process spuriously.
-            unsafe {
-                pg_sys::SetLatch(&raw mut (*(slot.proc_ptr as *mut pg_sys::PGPROC)).procLatch)
-            };
-        }
+    let live = table.slots.iter().filter(|s| s.proc_ptr != 0);
+    match live.clone().find(|s| !s.busy) {
+        Some(idle) => set_latch(idle),
+        None => live.for_each(set_latch),
     }
 }
 
@@ -158,15 +169,28 @@ thread_local! {
     static WAKE_REGISTERED: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Wakes the workers when the current transaction commits (once per transaction, however many
-/// events it raises). A rollback wakes nobody.
+/// Wakes a worker when the current transaction commits (once per transaction, however many
+/// events it raises), if there is a sink to deliver to. A rollback wakes nobody.
 pub fn wake_at_commit() {
-    if !preloaded() || WAKE_REGISTERED.with(|r| r.replace(true)) {
+    if !preloaded() || WAKE_REGISTERED.with(|r| r.get()) || !WORKERS.share().has_sinks {
         return;
     }
+    register_wake();
+}
+
+/// Wakes a worker at commit whether or not sinks exist (a sink was created, resumed, replayed).
+pub fn wake_at_commit_always() {
+    if !preloaded() || WAKE_REGISTERED.with(|r| r.get()) {
+        return;
+    }
+    register_wake();
+}
+
+fn register_wake() {
+    WAKE_REGISTERED.with(|r| r.set(true));
     pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
         WAKE_REGISTERED.with(|r| r.set(false));
-        wake_all();
+        wake_one();
     });
     pgrx::register_xact_callback(PgXactCallbackEvent::Abort, || {
         WAKE_REGISTERED.with(|r| r.set(false))
@@ -195,6 +219,15 @@ pub(crate) fn slot_started(slot: usize) {
         }
         s.started_at = now();
     })
+}
+
+pub(crate) fn slot_busy(slot: usize, busy: bool) {
+    with_slot(slot, |s| s.busy = busy)
+}
+
+pub(crate) fn set_has_sinks(has: bool) {
+    let mut table = WORKERS.exclusive();
+    table.has_sinks = has;
 }
 
 pub(crate) fn slot_stopped(slot: usize) {
@@ -280,5 +313,10 @@ fn wake() {
     if !preloaded() {
         crate::error::Error::NotPreloaded.report();
     }
-    wake_all();
+    let table = WORKERS.share();
+    table
+        .slots
+        .iter()
+        .filter(|s| s.proc_ptr != 0)
+        .for_each(set_latch);
 }

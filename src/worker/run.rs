@@ -6,7 +6,7 @@
 //! crash-loop the worker. The worker never exits 0 (that would unregister it for good): on SIGTERM
 //! or a new `pg_outbox.database` it exits 1 and the postmaster starts it again.
 
-use super::{slot_failure, slot_pass, slot_started, slot_stopped};
+use super::{slot_busy, slot_failure, slot_pass, slot_started, slot_stopped};
 use crate::dispatch::{self, PassResult};
 use crate::settings;
 use crate::transaction::in_transaction;
@@ -42,6 +42,8 @@ struct Worker {
     last_prune: Option<Instant>,
     /// While committed events wait behind the horizon, re-check sooner than the poll interval.
     waiting_backoff: Duration,
+    /// While another worker holds a sink this one wanted, re-check sooner too.
+    contention_backoff: Duration,
 }
 
 #[pg_guard]
@@ -58,6 +60,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         warned: None,
         last_prune: None,
         waiting_backoff: Duration::ZERO,
+        contention_backoff: Duration::ZERO,
     };
     worker.run();
     slot_stopped(slot);
@@ -88,7 +91,9 @@ impl Worker {
                     return;
                 }
             }
+            slot_busy(self.slot, true);
             let timeout = self.step();
+            slot_busy(self.slot, false);
             if !wait(timeout) {
                 return;
             }
@@ -101,8 +106,15 @@ impl Worker {
         if !settings::ENABLED.get() {
             return poll;
         }
-        let state = match in_transaction(installed) {
-            Ok(state) => state,
+        // One short transaction decides what this round does: is the SQL installed, which sinks
+        // are due.
+        let round = in_transaction(|| {
+            let state = installed();
+            let sinks = (state == Installed::Ready).then(|| dispatch::due_sinks(self.slot));
+            (state, sinks)
+        });
+        let (state, sinks) = match round {
+            Ok(round) => round,
             Err(e) => {
                 self.failed(&e.to_string());
                 return poll;
@@ -131,13 +143,9 @@ impl Worker {
 
         let mut sleep = poll;
         let mut busy = false;
-        let sinks = match in_transaction(|| dispatch::due_sinks(self.slot)) {
-            Ok(s) => s,
-            Err(e) => {
-                self.failed(&e.to_string());
-                return poll;
-            }
-        };
+        let mut contended = false;
+        let sinks = sinks.expect("due sinks are read when the SQL is ready");
+        super::set_has_sinks(sinks.count > 0);
         for sink in sinks.due {
             if BackgroundWorker::sigterm_received() {
                 return Duration::ZERO;
@@ -148,6 +156,7 @@ impl Worker {
                     busy |= full;
                 }
                 Ok(PassResult::Retry) => busy = true,
+                Ok(PassResult::Contended) => contended = true,
                 Ok(_) => slot_pass(self.slot, 0),
                 Err(e) => self.failed(&format!("sink \"{sink}\": {e}")),
             }
@@ -158,18 +167,30 @@ impl Worker {
         if busy {
             return Duration::ZERO;
         }
-        if self.slot == 0 || sinks.count == 0 {
+        // Another worker held a sink while this one was woken: it may have read its window before
+        // the commit that woke us. Look again soon (1 ms doubling to 50 ms while it lasts), or
+        // that commit would wait for the poll interval.
+        if contended {
+            self.contention_backoff = (self.contention_backoff * 2)
+                .clamp(Duration::from_millis(1), Duration::from_millis(50));
+            sleep = sleep.min(self.contention_backoff);
+        } else {
+            self.contention_backoff = Duration::ZERO;
+        }
+        // One worker prunes; the cursor lock would serialise two anyway.
+        if self.slot == 0 {
             self.maybe_prune();
         }
         // Events committed but not yet readable: a transaction holds the horizon. Look again soon
         // (2 ms doubling to 100 ms) instead of after a full poll interval.
-        match in_transaction(dispatch::events_waiting) {
-            Ok(true) if sinks.count > 0 => {
+        let waiting = sinks.count > 0 && in_transaction(dispatch::events_waiting).unwrap_or(false);
+        match waiting {
+            true => {
                 self.waiting_backoff = (self.waiting_backoff * 2)
                     .clamp(Duration::from_millis(2), Duration::from_millis(100));
                 sleep.min(self.waiting_backoff)
             }
-            _ => {
+            false => {
                 self.waiting_backoff = Duration::ZERO;
                 sleep
             }

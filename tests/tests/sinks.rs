@@ -580,3 +580,37 @@ fn drop_extension_with_the_worker_running_succeeds_and_the_worker_idles() {
         .unwrap();
     wait_ledger(&mut c, "books", 1, Duration::from_secs(10));
 }
+
+#[test]
+fn every_commit_wakes_a_worker_without_waiting_for_the_poll_interval() {
+    let (db, mut c) = setup("sink_wake");
+    // A lost wake-up would now cost 30 s; each event must arrive within 5.
+    db.cluster().set("pg_outbox.poll_interval", "30s");
+    recording_sink(&mut c, "books", "");
+    recording_sink(&mut c, "other", "");
+    for i in 1..=20 {
+        c.batch_execute("SELECT outbox.raise('wake.one')").unwrap();
+        wait_ledger(&mut c, "books", i, Duration::from_secs(5));
+    }
+    // Concurrent writers while one worker sits in a slow handler: a commit then wakes the other
+    // worker, which finds the sink leased and must look again rather than sleep.
+    c.batch_execute("UPDATE control SET sleep = 0.05 WHERE sink = 'books'")
+        .unwrap();
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let mut c = db.connect();
+            std::thread::spawn(move || {
+                for i in 0..25u64 {
+                    c.batch_execute("SELECT outbox.raise('wake.many')").unwrap();
+                    std::thread::sleep(Duration::from_millis((i * 7 + w * 3) % 11));
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    wait_ledger(&mut c, "books", 120, Duration::from_secs(5));
+    wait_ledger(&mut c, "other", 120, Duration::from_secs(5));
+    db.cluster().set("pg_outbox.poll_interval", "1s");
+}

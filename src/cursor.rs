@@ -78,6 +78,19 @@ pub fn owned_consumer(consumer: Option<&str>, action: &'static str) -> (String, 
     (consumer.to_string(), found)
 }
 
+/// `owned_consumer`, refusing a sink (its cursor moves with its deliveries).
+fn owned_pull_consumer(consumer: Option<&str>, action: &'static str) -> String {
+    let (name, found) = owned_consumer(consumer, action);
+    if found.kind != "pull" {
+        Error::NotPull {
+            name,
+            kind: found.kind,
+        }
+        .report();
+    }
+    name
+}
+
 /// Parses a position and refuses one no reader can have been handed yet.
 fn readable_position(position: Option<&str>, argument: &str) -> Position {
     let position: Position = required(position, argument).or_report().parse().or_report();
@@ -169,14 +182,7 @@ fn create_consumer(name: Option<&str>, start_at: default!(Option<&str>, "'origin
 #[pg_extern(volatile, parallel_unsafe)]
 fn advance(consumer: Option<&str>, position: Option<&str>) -> bool {
     let target = readable_position(position, "position");
-    let (consumer, found) = owned_consumer(consumer, "advance");
-    if found.kind != "pull" {
-        Error::NotPull {
-            name: consumer,
-            kind: found.kind,
-        }
-        .report();
-    }
+    let consumer = owned_pull_consumer(consumer, "advance");
     save(&consumer, target)
 }
 
@@ -218,14 +224,7 @@ fn rewind(consumer: Option<&str>, position: Option<&str>) -> String {
 /// Drops a pull consumer and its cursor. Events it alone was holding become prunable.
 #[pg_extern(volatile, parallel_unsafe)]
 fn drop_consumer(name: Option<&str>) {
-    let (consumer, found) = owned_consumer(name, "drop");
-    if found.kind != "pull" {
-        Error::NotPull {
-            name: consumer,
-            kind: found.kind,
-        }
-        .report();
-    }
+    let consumer = owned_pull_consumer(name, "drop");
     as_owner(|| {
         Spi::run_with_args(
             "DELETE FROM outbox.consumers WHERE name = $1",

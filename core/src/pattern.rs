@@ -161,13 +161,7 @@ mod tests {
             "#.b.#",
             "a.#.#.d",
         ];
-        let topics = [
-            "order",
-            "order.placed",
-            "order.placed.v2",
-            "order.shipped",
-            "billing.invoice.paid",
-            "a.b.c.d",
+        let more = [
             "a.d",
             "a",
             "paid",
@@ -179,10 +173,11 @@ mod tests {
             "orders.placed",
             "order.placedx",
         ];
+        let topics = TOPICS.iter().chain(more.iter());
         for p in patterns {
             let pattern = Pattern::parse(p).unwrap();
             let re = regex::Regex::new(&pattern.to_regex()).unwrap();
-            for t in topics {
+            for &t in topics.clone() {
                 assert_eq!(
                     re.is_match(t),
                     pattern.matches(t),

@@ -614,3 +614,37 @@ fn every_commit_wakes_a_worker_without_waiting_for_the_poll_interval() {
     wait_ledger(&mut c, "other", 120, Duration::from_secs(5));
     db.cluster().set("pg_outbox.poll_interval", "1s");
 }
+
+#[test]
+fn a_handler_that_runs_past_the_sink_timeout_is_cancelled_and_counted_as_a_failure() {
+    let (db, mut c) = setup("sink_timeout");
+    db.cluster().set("pg_outbox.sink_timeout", "300ms");
+    recording_sink(&mut c, "books", "");
+    c.batch_execute("UPDATE control SET sleep = 5").unwrap();
+    let start = Instant::now();
+    c.batch_execute("SELECT outbox.raise('slow.event')")
+        .unwrap();
+    eventually(
+        "the timeout to be recorded",
+        Duration::from_secs(10),
+        || {
+            let r = c
+                .query_one(
+                    "SELECT last_sqlstate, attempts FROM outbox.status() WHERE name = 'books'",
+                    &[],
+                )
+                .unwrap();
+            (r.get::<_, Option<String>>(0).as_deref() == Some("57014")).then_some(())
+        },
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "cancelled long before the handler's 5 s"
+    );
+    assert!(ledger(&mut c, "books").is_empty());
+    // Fast again: delivered, once.
+    c.batch_execute("UPDATE control SET sleep = 0").unwrap();
+    let rows = wait_ledger(&mut c, "books", 1, Duration::from_secs(10));
+    assert_eq!(rows.len(), 1);
+    db.cluster().set("pg_outbox.sink_timeout", "30s");
+}

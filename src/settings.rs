@@ -40,6 +40,24 @@ pub static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
 /// How often the worker prunes.
 pub static PRUNE_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
 
+/// HTTP sinks may post to plain http:// URLs. Superuser only: it lets credentials and events
+/// cross the network in clear.
+pub static HTTP_ALLOW_PLAIN: GucSetting<bool> = GucSetting::<bool>::new(false);
+
+/// HTTP sinks may reach private, loopback, link-local, multicast and cloud-metadata addresses.
+/// Superuser only: otherwise any role allowed to create a sink could probe the server's own
+/// network (and its metadata service) through the worker.
+pub static HTTP_ALLOW_PRIVATE: GucSetting<bool> = GucSetting::<bool>::new(false);
+
+/// Connecting to an HTTP sink may take this long before the attempt counts as a transient failure.
+pub static HTTP_CONNECT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(3_000);
+
+/// The default whole-request timeout of an HTTP sink (create_http_sink can set its own).
+pub static HTTP_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+
+/// Bytes of a response body read (and discarded) at most: a webhook answers with a status.
+pub static HTTP_MAX_RESPONSE_BYTES: GucSetting<i32> = GucSetting::<i32>::new(65_536);
+
 /// Off: workers stay connected but deliver nothing (maintenance windows).
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 
@@ -138,6 +156,52 @@ pub fn init(preloading: bool) {
         GucFlags::UNIT_S,
     );
     GucRegistry::define_bool_guc(
+        c"pg_outbox.http_allow_plain",
+        c"Whether HTTP sinks may use plain http:// URLs.",
+        c"",
+        &HTTP_ALLOW_PLAIN,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"pg_outbox.http_allow_private",
+        c"Whether HTTP sinks may reach private, loopback, link-local and metadata addresses.",
+        c"",
+        &HTTP_ALLOW_PRIVATE,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.http_connect_timeout",
+        c"Longest an HTTP sink's connection attempt may take.",
+        c"",
+        &HTTP_CONNECT_TIMEOUT_MS,
+        100,
+        600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.http_timeout",
+        c"Default whole-request timeout of an HTTP sink.",
+        c"",
+        &HTTP_TIMEOUT_MS,
+        100,
+        600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.http_max_response",
+        c"Bytes of an HTTP sink's response body read at most.",
+        c"",
+        &HTTP_MAX_RESPONSE_BYTES,
+        0,
+        16 * 1024 * 1024,
+        GucContext::Sighup,
+        GucFlags::UNIT_BYTE,
+    );
+    GucRegistry::define_bool_guc(
         c"pg_outbox.enabled",
         c"Whether the workers deliver.",
         c"",
@@ -160,6 +224,14 @@ pub fn ms(setting: &GucSetting<i32>) -> Duration {
 
 pub fn secs(setting: &GucSetting<i32>) -> Duration {
     Duration::from_secs(setting.get().max(0) as u64)
+}
+
+/// The destination rules as configured now.
+pub fn http_allow() -> pg_outbox_core::http::Allow {
+    pg_outbox_core::http::Allow {
+        plain_http: HTTP_ALLOW_PLAIN.get(),
+        private_addresses: HTTP_ALLOW_PRIVATE.get(),
+    }
 }
 
 /// The failure policy as configured now, for a sink of `max_batch`.

@@ -7,7 +7,7 @@ use crate::owner::{as_owner, caller};
 use crate::raw::RawRegprocedure;
 use crate::settings;
 use pg_outbox_core::pattern::Pattern;
-use pg_outbox_core::{name as names, required, Invalid, InvalidKind};
+use pg_outbox_core::{http, name as names, required, Invalid, InvalidKind, Position};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 
@@ -63,24 +63,19 @@ fn topic_regex(topics: Option<Vec<Option<String>>>) -> Result<Option<String>, In
     Ok(Some(alternatives.join("|")))
 }
 
-/// Registers a SQL sink: the worker calls `handler(outbox.event[])` with batches of the events
-/// whose topic matches `topics` (NULL: all), as the role that registered it, and moves the sink's
-/// cursor in the same transaction. Returns the starting cursor.
-#[pg_extern(volatile, parallel_unsafe)]
-fn create_sink(
-    id: Option<&str>,
-    handler: Option<RawRegprocedure>,
-    topics: default!(Option<Vec<Option<String>>>, "NULL"),
-    batch_size: default!(Option<i32>, "NULL"),
-    start_at: default!(Option<&str>, "'origin'"),
-) -> String {
+/// The part of registering any sink that its kind does not change: checks the id, topics and
+/// batch size, creates the cursor and the sinks row. Returns the starting cursor.
+fn register(
+    id: &str,
+    handler: Option<pg_sys::Oid>,
+    topics: Option<Vec<Option<String>>>,
+    batch_size: Option<i32>,
+    start_at: Option<&str>,
+) -> Position {
     if !crate::worker::preloaded() {
         Error::NotPreloaded.report();
     }
-    let id = required(id, "id").or_report();
     names::validate("sink", id).or_report();
-    let handler = required(handler, "handler").or_report().oid();
-    check_handler(handler);
     let patterns = topics.clone();
     let regex = topic_regex(topics).or_report();
     let batch_size = batch_size.unwrap_or_else(|| settings::BATCH_SIZE.get());
@@ -96,10 +91,11 @@ fn create_sink(
     if !insert_consumer(id, "sink", cursor, caller()) {
         Error::ConsumerExists(id.into()).report();
     }
+    let kind = if handler.is_some() { "sql" } else { "http" };
     as_owner(|| {
         Spi::run_with_args(
-            "INSERT INTO outbox.sinks (id, handler, topics, topic_regex, batch_size, current_batch) \
-             VALUES ($1, $2, $3, $4, $5, $5)",
+            "INSERT INTO outbox.sinks (id, kind, handler, topics, topic_regex, batch_size, current_batch) \
+             VALUES ($1, $6, $2, $3, $4, $5, $5)",
             &[
                 DatumWithOid::from(id),
                 // SAFETY: an oid datum typed as regprocedure, which is an oid.
@@ -107,11 +103,95 @@ fn create_sink(
                 DatumWithOid::from(patterns),
                 DatumWithOid::from(regex),
                 DatumWithOid::from(batch_size),
+                DatumWithOid::from(kind),
             ],
         )
     })
     .unwrap_or_else(|e| panic!("creating sink: {e}"));
     crate::worker::wake_at_commit_always();
+    cursor
+}
+
+/// Registers a SQL sink: the worker calls `handler(outbox.event[])` with batches of the events
+/// whose topic matches `topics` (NULL: all), as the role that registered it, and moves the sink's
+/// cursor in the same transaction. Returns the starting cursor.
+#[pg_extern(volatile, parallel_unsafe)]
+fn create_sink(
+    id: Option<&str>,
+    handler: Option<RawRegprocedure>,
+    topics: default!(Option<Vec<Option<String>>>, "NULL"),
+    batch_size: default!(Option<i32>, "NULL"),
+    start_at: default!(Option<&str>, "'origin'"),
+) -> String {
+    let id = required(id, "id").or_report();
+    names::validate("sink", id).or_report();
+    let handler = required(handler, "handler").or_report().oid();
+    check_handler(handler);
+    register(id, Some(handler), topics, batch_size, start_at).to_string()
+}
+
+/// Registers an HTTP sink: the worker POSTs batches of the events whose topic matches `topics`
+/// to `url` as CloudEvents JSON, signed when `secret` is set. Returns the starting cursor.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::too_many_arguments)]
+fn create_http_sink(
+    id: Option<&str>,
+    url: Option<&str>,
+    topics: default!(Option<Vec<Option<String>>>, "NULL"),
+    batch_size: default!(Option<i32>, "NULL"),
+    headers: default!(Option<pgrx::JsonB>, "NULL"),
+    secret: default!(Option<&str>, "NULL"),
+    timeout_ms: default!(Option<i32>, "NULL"),
+    start_at: default!(Option<&str>, "'origin'"),
+) -> String {
+    let id = required(id, "id").or_report();
+    names::validate("sink", id).or_report();
+    let url = required(url, "url").or_report();
+    let destination = http::Destination::parse(url, settings::http_allow()).or_report();
+    let headers = match headers.map(|h| h.0) {
+        None => serde_json::Map::new(),
+        Some(serde_json::Value::Object(map)) => map,
+        Some(_) => Error::from(Invalid::new(
+            InvalidKind::Parameter,
+            "headers must be a JSON object of strings",
+        ))
+        .report(),
+    };
+    for (name, value) in &headers {
+        let value = value.as_str().unwrap_or_else(|| {
+            Error::from(Invalid::new(
+                InvalidKind::Parameter,
+                format!("header \"{name}\" must be a string"),
+            ))
+            .report()
+        });
+        http::check_header(name, value).or_report();
+    }
+    if let Some(secret) = secret {
+        http::Secret::parse(secret).or_report();
+    }
+    let timeout_ms = timeout_ms.unwrap_or_else(|| settings::HTTP_TIMEOUT_MS.get());
+    if !(100..=600_000).contains(&timeout_ms) {
+        Error::from(Invalid::new(
+            InvalidKind::Parameter,
+            format!("timeout_ms must be between 100 and 600000, not {timeout_ms}"),
+        ))
+        .report();
+    }
+    let cursor = register(id, None, topics, batch_size, start_at);
+    as_owner(|| {
+        Spi::run_with_args(
+            "INSERT INTO outbox.http_sinks (id, url, headers, secret, timeout_ms) VALUES ($1, $2, $3, $4, $5)",
+            &[
+                DatumWithOid::from(id),
+                DatumWithOid::from(destination.url.as_str()),
+                DatumWithOid::from(pgrx::JsonB(serde_json::Value::Object(headers))),
+                DatumWithOid::from(secret),
+                DatumWithOid::from(timeout_ms),
+            ],
+        )
+    })
+    .unwrap_or_else(|e| panic!("creating http sink: {e}"));
     cursor.to_string()
 }
 

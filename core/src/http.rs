@@ -107,6 +107,40 @@ pub fn check_address(ip: IpAddr, allow: Allow) -> Result<(), Invalid> {
     Ok(())
 }
 
+/// Headers the worker sets itself, so a sink's extra headers may not.
+const RESERVED_HEADERS: &[&str] = &[
+    "host",
+    "content-type",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "idempotency-key",
+    "webhook-id",
+    "webhook-timestamp",
+    "webhook-signature",
+];
+
+/// Accepts an extra header of an HTTP sink (an `Authorization`, say) or says why not.
+pub fn check_header(name: &str, value: &str) -> Result<(), Invalid> {
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    if name.is_empty() || name.len() > 128 || !name.chars().all(token) {
+        return Err(refuse(format!(
+            "invalid header name \"{}\"",
+            name.escape_debug()
+        )));
+    }
+    if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+        return Err(refuse(format!(
+            "header \"{name}\" is set by pg_outbox itself"
+        )));
+    }
+    // The value is a credential more often than not: never echo it.
+    if value.len() > 8192 || value.chars().any(|c| c.is_control() && c != '\t') {
+        return Err(refuse(format!("invalid value for header \"{name}\"")));
+    }
+    Ok(())
+}
+
 /// A Standard Webhooks signing secret: `whsec_` and base64 of at least 24 random bytes.
 #[derive(Clone)]
 pub struct Secret(Vec<u8>);
@@ -302,6 +336,22 @@ mod tests {
             batch_key("s", &ids(&["1", "2"]))
         );
         assert!(a.starts_with("msg_") && a.len() == 36);
+    }
+
+    #[test]
+    fn headers() {
+        check_header("Authorization", "Bearer abc").unwrap();
+        check_header("X-Team", "billing").unwrap();
+        for (n, v) in [
+            ("", "x"),
+            ("Bad Name", "x"),
+            ("X", "a\r\nInjected: 1"),
+            ("Webhook-Signature", "x"),
+            ("content-type", "x"),
+        ] {
+            let e = check_header(n, v).unwrap_err();
+            assert!(!e.message.contains("Injected"), "values are never echoed");
+        }
     }
 
     #[test]

@@ -8,6 +8,8 @@
 //! and the cursor commit together, exactly once. On failure the subtransaction is rolled back
 //! and the failure policy (pg_outbox_core::policy) decides what the next pass hands over.
 
+pub mod http;
+
 use crate::cursor;
 use crate::settings;
 use crate::transaction::{in_subtransaction, Failure};
@@ -43,7 +45,7 @@ unsafe fn disable_timeout(id: i32, keep_indicator: bool) {
 }
 
 /// The first key of the sinks' advisory locks ("outs"); the second is the sink's lease_key.
-const SINK_LEASE_CLASS: i32 = 0x6f75_7473;
+pub(crate) const SINK_LEASE_CLASS: i32 = 0x6f75_7473;
 
 pub enum PassResult {
     /// The sink is paused, not due, or gone (or DDL holds the tables).
@@ -63,7 +65,8 @@ pub enum PassResult {
 
 /// The sinks due for a pass, rotated so that workers start at different sinks.
 pub struct DueSinks {
-    pub due: Vec<String>,
+    /// (id, is an HTTP sink)
+    pub due: Vec<(String, bool)>,
     pub count: usize,
     /// Time until the earliest back-off of a sink ends, if any.
     pub next_attempt_in: Option<Duration>,
@@ -74,11 +77,12 @@ pub struct DueSinks {
 /// missing: the caller skips its step, so the worker never waits behind DDL, and DDL waits at
 /// most for the step in flight, never deadlocks with it.
 pub fn lock_tables() -> bool {
-    const TABLES: [&std::ffi::CStr; 5] = [
+    const TABLES: [&std::ffi::CStr; 6] = [
         c"events",
         c"events_seq",
         c"consumers",
         c"sinks",
+        c"http_sinks",
         c"dead_letters",
     ];
     // SAFETY: catalog lookups and lock-manager calls in a transaction; a lock that cannot be had
@@ -113,7 +117,8 @@ pub fn due_sinks(slot: usize) -> DueSinks {
     Spi::connect(|client| {
         let rows = client.select(
             "SELECT id, next_attempt_at IS NULL OR next_attempt_at <= pg_catalog.now(), \
-                    (extract(epoch FROM next_attempt_at - pg_catalog.now()) * 1000)::int8 \
+                    (extract(epoch FROM next_attempt_at - pg_catalog.now()) * 1000)::int8, \
+                    kind = 'http' \
                FROM outbox.sinks WHERE NOT paused ORDER BY id",
             None,
             &[],
@@ -122,7 +127,7 @@ pub fn due_sinks(slot: usize) -> DueSinks {
             count += 1;
             let id: String = row.get(1)?.expect("sinks.id is NOT NULL");
             if row.get::<bool>(2)?.unwrap_or(true) {
-                due.push(id);
+                due.push((id, row.get::<bool>(4)?.unwrap_or(false)));
             } else if let Some(ms) = row.get::<i64>(3)? {
                 let d = Duration::from_millis(ms.max(1) as u64);
                 next = Some(next.map_or(d, |n| n.min(d)));
@@ -207,7 +212,7 @@ fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
            JOIN outbox.consumers c ON c.name = s.id \
            JOIN pg_catalog.pg_proc p ON p.oid = s.handler \
            JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
-          WHERE s.id = $1 AND NOT s.paused \
+          WHERE s.id = $1 AND s.kind = 'sql' AND NOT s.paused \
             AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= pg_catalog.now())",
         Some(1),
         &[DatumWithOid::from(id)],
@@ -321,9 +326,9 @@ fn deliver(client: &mut SpiClient<'_>, sink: &Sink, events: pg_sys::Datum) -> Re
     })
 }
 
-fn save_state(
+pub(crate) fn save_state(
     client: &mut SpiClient<'_>,
-    sink: &Sink,
+    sink: &str,
     state: SinkState,
     delay: Option<Duration>,
     down: bool,
@@ -342,13 +347,14 @@ fn save_state(
           WHERE id = $1",
         None,
         &[
-            DatumWithOid::from(sink.id.as_str()),
+            DatumWithOid::from(sink),
             DatumWithOid::from(state.batch.min(i32::MAX as u32) as i32),
             DatumWithOid::from(state.attempts.min(i32::MAX as u32) as i32),
             DatumWithOid::from(delay.map(|d| d.as_millis().min(i64::MAX as u128) as i64)),
             DatumWithOid::from(down),
             DatumWithOid::from(failure.map(|f| f.message.clone())),
-            DatumWithOid::from(failure.map(|f| f.sqlstate.clone())),
+            // HTTP failures have no SQLSTATE.
+            DatumWithOid::from(failure.map(|f| f.sqlstate.clone()).filter(|s| !s.is_empty())),
             DatumWithOid::from(delivered as i64),
         ],
     )?;
@@ -381,12 +387,12 @@ pub fn pass(id: &str) -> PassResult {
         match deliver(client, &sink, events) {
             Ok(()) => {
                 cursor::save(&sink.id, last);
-                save_state(client, &sink, policy.after_success(sink.state), None, false, None, window.matching)?;
+                save_state(client, &sink.id, policy.after_success(sink.state), None, false, None, window.matching)?;
                 Ok(PassResult::Delivered { events: window.matching, full })
             }
             Err(failure) => match policy.after_failure(sink.state, window.count as u32) {
                 AfterFailure::Halve(state) => {
-                    save_state(client, &sink, state, None, false, Some(&failure), 0)?;
+                    save_state(client, &sink.id, state, None, false, Some(&failure), 0)?;
                     Ok(PassResult::Retry)
                 }
                 AfterFailure::Retry { state, delay } => {
@@ -395,7 +401,7 @@ pub fn pass(id: &str) -> PassResult {
                         sink.id,
                         state.attempts
                     );
-                    save_state(client, &sink, state, Some(delay), false, Some(&failure), 0)?;
+                    save_state(client, &sink.id, state, Some(delay), false, Some(&failure), 0)?;
                     Ok(PassResult::Failed)
                 }
                 AfterFailure::TestNeighbour(state) => {
@@ -457,7 +463,7 @@ fn neighbour_test(
                 ],
             )?;
             cursor::save(&sink.id, neighbour);
-            save_state(client, sink, fresh, None, false, Some(&failure), 1)?;
+            save_state(client, &sink.id, fresh, None, false, Some(&failure), 1)?;
             pgrx::warning!(
                 "pg_outbox: sink \"{}\" dead-lettered event {lone} after {} attempts (its neighbour {neighbour} went through): {failure}",
                 sink.id,
@@ -479,7 +485,15 @@ fn neighbour_test(
             if down {
                 pgrx::warning!("pg_outbox: sink \"{}\" is down (its neighbour failed too), retrying in {delay:?}", sink.id);
             }
-            save_state(client, sink, state, Some(delay), down, Some(&failure), 0)?;
+            save_state(
+                client,
+                &sink.id,
+                state,
+                Some(delay),
+                down,
+                Some(&failure),
+                0,
+            )?;
             Ok(PassResult::Failed)
         }
     }

@@ -3,8 +3,10 @@
 CREATE TABLE outbox.sinks (
     id                text        NOT NULL PRIMARY KEY
                                   REFERENCES outbox.consumers (name) ON DELETE CASCADE,
-    -- Runs as the role that created the sink (outbox.consumers.owner), never as the worker's.
-    handler           regprocedure NOT NULL,
+    kind              text        NOT NULL DEFAULT 'sql' CHECK (kind IN ('sql', 'http')),
+    -- SQL sinks: runs as the role that created the sink (outbox.consumers.owner), never as the
+    -- worker's. HTTP sinks: NULL, see outbox.http_sinks.
+    handler           regprocedure CHECK ((handler IS NOT NULL) = (kind = 'sql')),
     topics            text[],                     -- patterns; NULL: every topic
     topic_regex       text,                       -- the patterns compiled; NULL: every topic
     batch_size        integer     NOT NULL CHECK (batch_size BETWEEN 1 AND 10000),
@@ -22,6 +24,16 @@ CREATE TABLE outbox.sinks (
     created_at        timestamptz NOT NULL DEFAULT pg_catalog.now(),
     -- Second key of the sink's advisory-lock lease (see dispatch::lease).
     lease_key         integer     GENERATED ALWAYS AS IDENTITY
+);
+
+-- Where an HTTP sink posts, and how. No role but the extension's owner can read it: the headers
+-- and the secret are credentials. outbox.status() shows none of them.
+CREATE TABLE outbox.http_sinks (
+    id         text    NOT NULL PRIMARY KEY REFERENCES outbox.sinks (id) ON DELETE CASCADE,
+    url        text    NOT NULL,
+    headers    jsonb   NOT NULL DEFAULT '{}' CHECK (pg_catalog.jsonb_typeof(headers) = 'object'),
+    secret     text,
+    timeout_ms integer NOT NULL CHECK (timeout_ms BETWEEN 100 AND 600000)
 );
 
 -- Events a sink could never accept, kept for inspection and replay.

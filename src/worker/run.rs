@@ -44,6 +44,8 @@ struct Worker {
     waiting_backoff: Duration,
     /// While another worker holds a sink this one wanted, re-check sooner too.
     contention_backoff: Duration,
+    /// HTTP clients by sink, kept for keep-alive connections.
+    agents: dispatch::http::Agents,
 }
 
 #[pg_guard]
@@ -61,6 +63,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         last_prune: None,
         waiting_backoff: Duration::ZERO,
         contention_backoff: Duration::ZERO,
+        agents: Default::default(),
     };
     worker.run();
     slot_stopped(slot);
@@ -146,11 +149,16 @@ impl Worker {
         let mut contended = false;
         let sinks = sinks.expect("due sinks are read when the SQL is ready");
         super::set_has_sinks(sinks.count > 0);
-        for sink in sinks.due {
+        for (sink, is_http) in sinks.due {
             if BackgroundWorker::sigterm_received() {
                 return Duration::ZERO;
             }
-            match in_transaction(|| dispatch::pass(&sink)) {
+            let result = if is_http {
+                dispatch::http::pass(&sink, &mut self.agents)
+            } else {
+                in_transaction(|| dispatch::pass(&sink))
+            };
+            match result {
                 Ok(PassResult::Delivered { events, full }) => {
                     slot_pass(self.slot, events as u64);
                     busy |= full;

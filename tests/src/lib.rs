@@ -8,6 +8,8 @@
 //!
 //! Nothing here sleeps a fixed time to wait for the server: `eventually` polls with a deadline.
 
+pub mod http_server;
+
 use postgres::{Client, NoTls};
 use std::path::{Path, PathBuf};
 use std::process::Command;

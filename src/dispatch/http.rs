@@ -1,0 +1,547 @@
+//! One delivery pass of an HTTP sink.
+//!
+//! Unlike a SQL sink, the network call must happen with no transaction open. So a pass is:
+//! transaction 1 takes the sink's lease (a session-level advisory lock, which outlives the
+//! transaction), reads a window with the read rule and renders it as a CloudEvents batch; the
+//! POST runs on a thread of its own that never calls Postgres; transaction 2 records the outcome
+//! (cursor, failure policy, dead letter) and the lease is released. A worker that dies releases
+//! the lease with its session. The cursor moves only after a 2xx: at least once.
+
+use super::{save_state, PassResult, SINK_LEASE_CLASS};
+use crate::cursor;
+use crate::settings;
+use crate::transaction::{in_transaction, Failure};
+use pg_outbox_core::http::{self, Outcome, Secret};
+use pg_outbox_core::policy::{AfterFailure, AfterNeighbour, SinkState};
+use pg_outbox_core::Position;
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// One request, with everything it needs and nothing from Postgres.
+struct Request {
+    url: String,
+    headers: Vec<(String, String)>,
+    secret: Option<String>,
+    key: String,
+    body: String,
+}
+
+struct Sink {
+    id: String,
+    max_batch: u32,
+    state: SinkState,
+    cursor: Position,
+    url: String,
+    headers: Vec<(String, String)>,
+    secret: Option<String>,
+    timeout_ms: i32,
+}
+
+/// A window rendered for the wire.
+struct Window {
+    count: usize,
+    last: Option<Position>,
+    matching: usize,
+    body: Option<String>,
+    ids: Vec<String>,
+}
+
+enum Prepared {
+    Absent,
+    Contended,
+    Ready(Box<(Sink, Window)>),
+}
+
+fn lease_and_read(id: &str) -> Prepared {
+    Spi::connect(|client| {
+        let locked = client.select(
+            "SELECT pg_catalog.pg_try_advisory_lock($2, s.lease_key) FROM outbox.sinks s \
+              WHERE s.id = $1 AND s.kind = 'http'",
+            Some(1),
+            &[DatumWithOid::from(id), DatumWithOid::from(SINK_LEASE_CLASS)],
+        )?;
+        if locked.is_empty() {
+            return Ok(Prepared::Absent);
+        }
+        if locked.first().get_one::<bool>()? != Some(true) {
+            return Ok(Prepared::Contended);
+        }
+        crate::transaction::refresh_snapshot();
+        let rows = client.select(
+            "SELECT s.batch_size, s.current_batch, s.attempts, c.txid::text, c.seq, \
+                    h.url, h.headers::text, h.secret, h.timeout_ms \
+               FROM outbox.sinks s JOIN outbox.consumers c ON c.name = s.id \
+               JOIN outbox.http_sinks h ON h.id = s.id \
+              WHERE s.id = $1 AND NOT s.paused \
+                AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= pg_catalog.now())",
+            Some(1),
+            &[DatumWithOid::from(id)],
+        )?;
+        if rows.is_empty() {
+            return Ok(Prepared::Absent);
+        }
+        let r = rows.first();
+        let txid: String = r.get(4)?.expect("txid");
+        let headers: String = r.get(7)?.expect("headers");
+        let headers: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(&headers).expect("http_sinks.headers is a JSON object");
+        let sink = Sink {
+            id: id.to_string(),
+            max_batch: r.get::<i32>(1)?.expect("batch_size").max(1) as u32,
+            state: SinkState {
+                batch: r.get::<i32>(2)?.expect("current_batch").max(1) as u32,
+                attempts: r.get::<i32>(3)?.expect("attempts").max(0) as u32,
+            },
+            cursor: Position::new(txid.parse().expect("xid8"), r.get(5)?.expect("seq")),
+            url: r.get(6)?.expect("url"),
+            headers: headers
+                .into_iter()
+                .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_string()))
+                .collect(),
+            secret: r.get(8)?,
+            timeout_ms: r.get(9)?.expect("timeout_ms"),
+        };
+        let window = read_window(
+            client,
+            id,
+            sink.cursor,
+            sink.state.batch.min(sink.max_batch),
+        )?;
+        Ok::<_, pgrx::spi::Error>(Prepared::Ready(Box::new((sink, window))))
+    })
+    .unwrap_or_else(|e| panic!("preparing http sink \"{id}\": {e}"))
+}
+
+/// The CloudEvents batch of the events after `after` that the sink's topics match. Optional
+/// attributes that are NULL are left out, not sent as null (CloudEvents' rule).
+const WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
+        count(*) FILTER (WHERE m.ok)::int8, \
+        (pg_catalog.jsonb_agg( \
+            pg_catalog.jsonb_build_object('specversion', '1.0', 'id', r.id, \
+                'source', '/pg_outbox/' || pg_catalog.current_database(), 'type', r.topic, \
+                'time', r.raised_at, 'datacontenttype', 'application/json', 'data', r.payload, \
+                'position', r.position) \
+            || CASE WHEN r.subject IS NULL THEN '{}'::jsonb ELSE pg_catalog.jsonb_build_object('subject', r.subject) END \
+            || CASE WHEN r.tenant IS NULL THEN '{}'::jsonb ELSE pg_catalog.jsonb_build_object('tenant', r.tenant) END \
+          ORDER BY r.n) FILTER (WHERE m.ok))::text, \
+        pg_catalog.array_agg(r.id::text ORDER BY r.n) FILTER (WHERE m.ok) \
+   FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
+        AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
+  CROSS JOIN LATERAL (SELECT s.topic_regex IS NULL OR r.topic ~ s.topic_regex AS ok \
+                        FROM outbox.sinks s WHERE s.id = $4) m";
+
+fn read_window(
+    client: &pgrx::spi::SpiClient<'_>,
+    id: &str,
+    after: Position,
+    max: u32,
+) -> Result<Window, pgrx::spi::Error> {
+    let t = client.select(
+        WINDOW_SQL,
+        Some(1),
+        &[
+            DatumWithOid::from(after.txid.to_string()),
+            DatumWithOid::from(after.seq),
+            DatumWithOid::from(max as i32),
+            DatumWithOid::from(id),
+        ],
+    )?;
+    let r = t.first();
+    Ok(Window {
+        count: r.get::<i64>(1)?.unwrap_or(0) as usize,
+        last: r
+            .get::<String>(2)?
+            .map(|p| p.parse().expect("positions are well-formed")),
+        matching: r.get::<i64>(3)?.unwrap_or(0) as usize,
+        body: r.get(4)?,
+        ids: r.get::<Vec<String>>(5)?.unwrap_or_default(),
+    })
+}
+
+/// Verifies every address a host resolves to before ureq may connect to it (no DNS rebinding
+/// between the check and the connection: ureq connects to exactly what this returns).
+#[derive(Debug)]
+struct CheckedResolver {
+    allow: http::Allow,
+    inner: ureq::unversioned::resolver::DefaultResolver,
+}
+
+impl ureq::unversioned::resolver::Resolver for CheckedResolver {
+    fn resolve(
+        &self,
+        uri: &ureq::http::Uri,
+        config: &ureq::config::Config,
+        timeout: ureq::unversioned::transport::NextTimeout,
+    ) -> Result<ureq::unversioned::resolver::ResolvedSocketAddrs, ureq::Error> {
+        let addrs = self.inner.resolve(uri, config, timeout)?;
+        for a in addrs.iter() {
+            http::check_address(a.ip(), self.allow).map_err(|e| ureq::Error::BadUri(e.message))?;
+        }
+        Ok(addrs)
+    }
+}
+
+fn agent(timeout: Duration, allow: http::Allow) -> ureq::Agent {
+    let config = ureq::Agent::config_builder()
+        .timeout_global(Some(timeout))
+        .timeout_connect(Some(settings::ms(&settings::HTTP_CONNECT_TIMEOUT_MS)))
+        .max_redirects(0)
+        .max_redirects_will_error(false)
+        .http_status_as_error(false)
+        .https_only(!allow.plain_http)
+        .user_agent(concat!("pg_outbox/", env!("CARGO_PKG_VERSION")))
+        .build();
+    ureq::Agent::with_parts(
+        config,
+        ureq::unversioned::transport::DefaultConnector::new(),
+        CheckedResolver {
+            allow,
+            inner: Default::default(),
+        },
+    )
+}
+
+/// Sends one request on a thread of its own (never the one that talks to Postgres).
+fn send(agent: ureq::Agent, req: Request, max_response: u64) -> Outcome {
+    let work = move || {
+        let timestamp = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0);
+        let mut r = agent
+            .post(&req.url)
+            .header("content-type", "application/cloudevents-batch+json")
+            .header("idempotency-key", &req.key)
+            .header("webhook-id", &req.key)
+            .header("webhook-timestamp", timestamp.to_string());
+        if let Some(secret) = req.secret.as_deref().and_then(|s| Secret::parse(s).ok()) {
+            r = r.header(
+                "webhook-signature",
+                secret.sign(&req.key, timestamp, req.body.as_bytes()),
+            );
+        }
+        for (k, v) in &req.headers {
+            r = r.header(k, v);
+        }
+        match r.send(req.body.as_bytes()) {
+            Ok(mut response) => {
+                let status = response.status().as_u16();
+                let retry_after = response
+                    .headers()
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string);
+                // Read (and drop) at most the cap, so a keep-alive connection can be reused.
+                let _ = response
+                    .body_mut()
+                    .with_config()
+                    .limit(max_response)
+                    .read_to_vec();
+                http::classify(status, retry_after.as_deref())
+            }
+            // Never the request or its headers in the reason: only what went wrong.
+            Err(ureq::Error::BadUri(why)) => Outcome::Transient {
+                retry_after: None,
+                reason: why,
+            },
+            Err(ureq::Error::Timeout(t)) => Outcome::Transient {
+                retry_after: None,
+                reason: format!("timed out ({t})"),
+            },
+            Err(e) => Outcome::Transient {
+                retry_after: None,
+                reason: format!("request failed: {}", kind_of(&e)),
+            },
+        }
+    };
+    std::thread::spawn(work)
+        .join()
+        .unwrap_or(Outcome::Transient {
+            retry_after: None,
+            reason: "the request thread panicked".into(),
+        })
+}
+
+fn kind_of(e: &ureq::Error) -> String {
+    match e {
+        ureq::Error::ConnectionFailed => "connection failed".into(),
+        ureq::Error::HostNotFound => "host not found".into(),
+        ureq::Error::Io(io) => format!("i/o error ({})", io.kind()),
+        ureq::Error::Tls(m) => format!("TLS error ({m})"),
+        ureq::Error::Rustls(r) => format!("TLS error ({r})"),
+        ureq::Error::RequireHttpsOnly(_) => "plain http is not allowed".into(),
+        other => other.to_string().chars().take(200).collect(),
+    }
+}
+
+fn failure(reason: &str) -> Failure {
+    Failure {
+        sqlstate: String::new(),
+        message: reason.to_string(),
+    }
+}
+
+/// Agents by sink and configuration, kept between passes for keep-alive connections.
+#[derive(Default)]
+pub struct Agents(HashMap<String, ureq::Agent>);
+
+impl Agents {
+    fn get(&mut self, sink: &Sink) -> ureq::Agent {
+        let allow = settings::http_allow();
+        let key = format!(
+            "{}|{}|{:?}|{}",
+            sink.id,
+            sink.timeout_ms,
+            allow,
+            settings::HTTP_CONNECT_TIMEOUT_MS.get()
+        );
+        self.0
+            .entry(key)
+            .or_insert_with(|| agent(Duration::from_millis(sink.timeout_ms as u64), allow))
+            .clone()
+    }
+}
+
+fn request(sink: &Sink, window: &Window) -> Request {
+    Request {
+        url: sink.url.clone(),
+        headers: sink.headers.clone(),
+        secret: sink.secret.clone(),
+        key: http::batch_key(&sink.id, &window.ids),
+        body: window.body.clone().unwrap_or_default(),
+    }
+}
+
+fn unlock(id: &str) {
+    let _ = in_transaction(|| {
+        Spi::run_with_args(
+            "SELECT pg_catalog.pg_advisory_unlock($2, s.lease_key) FROM outbox.sinks s WHERE s.id = $1",
+            &[DatumWithOid::from(id), DatumWithOid::from(SINK_LEASE_CLASS)],
+        )
+    });
+    // If the sink was dropped meanwhile, its lock key is unknown: drop every session lock (a
+    // worker holds at most this one).
+    let _ = in_transaction(|| Spi::run("SELECT pg_catalog.pg_advisory_unlock_all()"));
+}
+
+/// One pass over one HTTP sink: prepare, send, record.
+pub fn pass(id: &str, agents: &mut Agents) -> Result<PassResult, Failure> {
+    if !in_transaction(super::lock_tables)? {
+        return Ok(PassResult::Skipped);
+    }
+    let (sink, window) = match in_transaction(|| lease_and_read(id))? {
+        Prepared::Absent => return Ok(PassResult::Skipped),
+        Prepared::Contended => return Ok(PassResult::Contended),
+        Prepared::Ready(ready) => *ready,
+    };
+    let result = deliver(&sink, window, agents);
+    unlock(id);
+    result
+}
+
+fn deliver(sink: &Sink, window: Window, agents: &mut Agents) -> Result<PassResult, Failure> {
+    let Some(last) = window.last else {
+        return Ok(PassResult::Idle);
+    };
+    let full = window.count as u32 >= sink.state.batch;
+    if window.body.is_none() {
+        in_transaction(|| cursor::save(&sink.id, last))?;
+        return Ok(PassResult::Delivered { events: 0, full });
+    }
+    let max_response = settings::HTTP_MAX_RESPONSE_BYTES.get().max(0) as u64;
+    let outcome = send(agents.get(sink), request(sink, &window), max_response);
+    let policy = settings::policy(sink.max_batch);
+    match outcome {
+        Outcome::Delivered => {
+            in_transaction(|| {
+                cursor::save(&sink.id, last);
+                Spi::connect_mut(|c| {
+                    save_state(
+                        c,
+                        &sink.id,
+                        policy.after_success(sink.state),
+                        None,
+                        false,
+                        None,
+                        window.matching,
+                    )
+                })
+            })?
+            .map_err(|e| failure(&e.to_string()))?;
+            Ok(PassResult::Delivered {
+                events: window.matching,
+                full,
+            })
+        }
+        Outcome::Transient {
+            retry_after,
+            reason,
+        } => {
+            // The endpoint, not an event: back off, never bisect or dead-letter on this alone.
+            let attempts = sink.state.attempts.saturating_add(1);
+            let delay = retry_after
+                .unwrap_or_default()
+                .max(policy.backoff(attempts));
+            let down = attempts >= policy.poison_after;
+            pgrx::warning!("pg_outbox: http sink \"{}\" failed (attempt {attempts}), retrying in {delay:?}: {reason}", sink.id);
+            let state = SinkState {
+                batch: sink.state.batch,
+                attempts,
+            };
+            in_transaction(|| {
+                Spi::connect_mut(|c| {
+                    save_state(
+                        c,
+                        &sink.id,
+                        state,
+                        Some(delay),
+                        down,
+                        Some(&failure(&reason)),
+                        0,
+                    )
+                })
+            })?
+            .map_err(|e| failure(&e.to_string()))?;
+            Ok(PassResult::Failed)
+        }
+        Outcome::Rejected { reason } => match policy.after_failure(sink.state, window.count as u32)
+        {
+            AfterFailure::Halve(state) => {
+                in_transaction(|| {
+                    Spi::connect_mut(|c| {
+                        save_state(c, &sink.id, state, None, false, Some(&failure(&reason)), 0)
+                    })
+                })?
+                .map_err(|e| failure(&e.to_string()))?;
+                Ok(PassResult::Retry)
+            }
+            AfterFailure::Retry { state, delay } => {
+                pgrx::warning!(
+                    "pg_outbox: http sink \"{}\" refused event {last} (attempt {}), retrying in {delay:?}: {reason}",
+                    sink.id,
+                    state.attempts
+                );
+                in_transaction(|| {
+                    Spi::connect_mut(|c| {
+                        save_state(
+                            c,
+                            &sink.id,
+                            state,
+                            Some(delay),
+                            false,
+                            Some(&failure(&reason)),
+                            0,
+                        )
+                    })
+                })?
+                .map_err(|e| failure(&e.to_string()))?;
+                Ok(PassResult::Failed)
+            }
+            AfterFailure::TestNeighbour(state) => neighbour_test(sink, state, last, reason, agents),
+        },
+    }
+}
+
+/// The lone event at `lone` was refused `poison_after` times: post the next event this sink would
+/// get, alone. Accepted: `lone` is poison. Refused too, or none yet: the sink is down.
+fn neighbour_test(
+    sink: &Sink,
+    state: SinkState,
+    lone: Position,
+    reason: String,
+    agents: &mut Agents,
+) -> Result<PassResult, Failure> {
+    let policy = settings::policy(sink.max_batch);
+    pgrx::warning!(
+        "pg_outbox: http sink \"{}\" refused event {lone} (attempt {}), testing its neighbour: {reason}",
+        sink.id,
+        state.attempts
+    );
+    // The neighbour: the first matching event within one batch after the lone one.
+    let window = in_transaction(|| {
+        Spi::connect(|c| {
+            let mut w = read_window(c, &sink.id, lone, sink.max_batch)?;
+            if w.matching == 0 {
+                return Ok(None);
+            }
+            // Narrow the window to end at the first match.
+            let mut span = 1;
+            loop {
+                w = read_window(c, &sink.id, lone, span)?;
+                if w.matching > 0 {
+                    return Ok::<_, pgrx::spi::Error>(Some(w));
+                }
+                span += 1;
+            }
+        })
+    })?
+    .map_err(|e| failure(&e.to_string()))?;
+    let max_response = settings::HTTP_MAX_RESPONSE_BYTES.get().max(0) as u64;
+    let outcome = window.map(|w| {
+        let o = send(agents.get(sink), request(sink, &w), max_response);
+        (w, o)
+    });
+    match outcome {
+        Some((w, Outcome::Delivered)) => {
+            let neighbour = w.last.expect("the window has the neighbour");
+            let AfterNeighbour::DeadLetter(fresh) = policy.after_neighbour(state, Some(true))
+            else {
+                unreachable!()
+            };
+            in_transaction(|| {
+                Spi::run_with_args(
+                    "INSERT INTO outbox.dead_letters (sink, txid, seq, event, error, sqlstate, attempts) \
+                     SELECT $1, e.txid, e.seq, ROW(e.id, e.txid::text || ':' || e.seq::text, e.topic, e.subject, \
+                            e.tenant, e.payload, e.headers, e.raised_at)::outbox.event, $4, NULL, $5 \
+                       FROM outbox.events e WHERE e.txid = $2::pg_catalog.xid8 AND e.seq = $3 \
+                     ON CONFLICT (sink, txid, seq) DO UPDATE SET error = EXCLUDED.error, attempts = EXCLUDED.attempts, \
+                          dead_at = pg_catalog.now(), replay_requested_at = NULL",
+                    &[
+                        DatumWithOid::from(sink.id.as_str()),
+                        DatumWithOid::from(lone.txid.to_string()),
+                        DatumWithOid::from(lone.seq),
+                        DatumWithOid::from(reason.as_str()),
+                        DatumWithOid::from(state.attempts as i32),
+                    ],
+                )
+                .expect("dead-lettering");
+                cursor::save(&sink.id, neighbour);
+                Spi::connect_mut(|c| save_state(c, &sink.id, fresh, None, false, Some(&failure(&reason)), 1))
+            })?
+            .map_err(|e| failure(&e.to_string()))?;
+            pgrx::warning!(
+                "pg_outbox: http sink \"{}\" dead-lettered event {lone} after {} attempts (its neighbour {neighbour} went through): {reason}",
+                sink.id,
+                state.attempts
+            );
+            Ok(PassResult::Delivered {
+                events: 1,
+                full: false,
+            })
+        }
+        other => {
+            let neighbour_ok = other.as_ref().map(|_| false);
+            let AfterNeighbour::Down { state, delay } = policy.after_neighbour(state, neighbour_ok)
+            else {
+                unreachable!()
+            };
+            in_transaction(|| {
+                Spi::connect_mut(|c| {
+                    save_state(
+                        c,
+                        &sink.id,
+                        state,
+                        Some(delay),
+                        neighbour_ok.is_some(),
+                        Some(&failure(&reason)),
+                        0,
+                    )
+                })
+            })?
+            .map_err(|e| failure(&e.to_string()))?;
+            Ok(PassResult::Failed)
+        }
+    }
+}

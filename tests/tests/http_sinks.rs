@@ -1,0 +1,295 @@
+//! HTTP sinks against a real receiver on loopback: CloudEvents batches in order, signed so that
+//! the Standard Webhooks reference library accepts them; retries after 5xx; a refused event
+//! dead-lettered after the neighbour test; destinations refused; secrets kept out of sight.
+
+use pg_outbox_tests::http_server::{Received, Receiver};
+use pg_outbox_tests::{eventually, sqlstate, worker_db, TestDb};
+use std::time::Duration;
+
+const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const TOKEN: &str = "Bearer very-secret-token-42";
+
+fn setup(label: &str) -> (TestDb, postgres::Client) {
+    let db = worker_db(label);
+    db.cluster().set("pg_outbox.http_allow_plain", "on");
+    db.cluster().set("pg_outbox.http_allow_private", "on");
+    let c = db.connect();
+    (db, c)
+}
+
+fn teardown(db: &TestDb) {
+    db.cluster().set("pg_outbox.http_allow_plain", "off");
+    db.cluster().set("pg_outbox.http_allow_private", "off");
+}
+
+/// The events of the requests answered 2xx, in the order they arrived.
+fn delivered(r: &Receiver) -> Vec<serde_json::Value> {
+    r.received()
+        .into_iter()
+        .filter(|q| (200..300).contains(&q.status))
+        .flat_map(|q| serde_json::from_slice::<Vec<serde_json::Value>>(&q.body).unwrap())
+        .collect()
+}
+
+fn wait_delivered(r: &Receiver, n: usize) -> Vec<serde_json::Value> {
+    eventually(
+        &format!("{n} events at the receiver"),
+        Duration::from_secs(60),
+        || {
+            let d = delivered(r);
+            (d.len() >= n).then_some(d)
+        },
+    )
+}
+
+fn positions(events: &[serde_json::Value]) -> Vec<(u64, i64)> {
+    events
+        .iter()
+        .map(|e| pg_outbox_tests::position(e["position"].as_str().unwrap()))
+        .collect()
+}
+
+fn verify(q: &Received) {
+    let mut headers = http::HeaderMap::new();
+    for (k, v) in &q.headers {
+        if let (Ok(name), Ok(value)) = (http::HeaderName::from_bytes(k.as_bytes()), v.parse()) {
+            headers.insert(name, value);
+        }
+    }
+    standardwebhooks::Webhook::new(SECRET)
+        .unwrap()
+        .verify(&q.body, &headers)
+        .expect("signature verifies");
+}
+
+#[test]
+fn events_arrive_in_order_batched_and_signed() {
+    let (db, mut c) = setup("http_order");
+    let rx = Receiver::start(|_, _| (200, vec![]));
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1, batch_size => 50, secret => $2, headers => jsonb_build_object('Authorization', $3::text))",
+        &[&rx.url("/in"), &SECRET, &TOKEN],
+    )
+    .unwrap();
+    c.batch_execute(
+        "SELECT outbox.raise('order.placed', jsonb_build_object('i', i), subject => 'order/' || i, tenant => 'acme')
+           FROM generate_series(1, 120) i",
+    )
+    .unwrap();
+    let events = wait_delivered(&rx, 120);
+    assert_eq!(events.len(), 120, "each event once");
+    let p = positions(&events);
+    assert!(p.windows(2).all(|w| w[0] < w[1]), "in position order");
+    let e = &events[0];
+    assert_eq!(e["specversion"], "1.0");
+    assert_eq!(e["type"], "order.placed");
+    assert_eq!(e["subject"], "order/1");
+    assert_eq!(e["tenant"], "acme");
+    assert_eq!(e["data"], serde_json::json!({"i": 1}));
+    assert!(
+        e["id"].as_str().unwrap().len() == 36 && e["time"].is_string() && e["source"].is_string()
+    );
+    let requests = rx.received();
+    assert!(
+        requests.len() >= 3,
+        "batches of at most 50: {} requests",
+        requests.len()
+    );
+    for q in &requests {
+        assert_eq!(
+            q.headers["content-type"],
+            "application/cloudevents-batch+json"
+        );
+        assert_eq!(q.headers["authorization"], TOKEN);
+        assert_eq!(q.headers["idempotency-key"], q.headers["webhook-id"]);
+        assert!(
+            serde_json::from_slice::<Vec<serde_json::Value>>(&q.body)
+                .unwrap()
+                .len()
+                <= 50
+        );
+        verify(q);
+    }
+    teardown(&db);
+}
+
+#[test]
+fn server_errors_are_retried_and_everything_arrives_once() {
+    let (db, mut c) = setup("http_500");
+    // The first three requests fail with 500 (one with Retry-After), then all succeed.
+    let rx = Receiver::start(|_, n| match n {
+        0 => (500, vec![("retry-after".into(), "1".into())]),
+        1 | 2 => (503, vec![]),
+        _ => (200, vec![]),
+    });
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1)",
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+    c.batch_execute(
+        "SELECT outbox.raise('t.x', jsonb_build_object('i', i)) FROM generate_series(1, 30) i",
+    )
+    .unwrap();
+    let events = wait_delivered(&rx, 30);
+    assert_eq!(events.len(), 30);
+    assert!(positions(&events).windows(2).all(|w| w[0] < w[1]));
+    // The retried batch carried the same idempotency key as the failed one.
+    let r = rx.received();
+    assert_eq!(
+        r[0].headers["idempotency-key"],
+        r[1].headers["idempotency-key"]
+    );
+    let dead: i64 = c
+        .query_one("SELECT count(*) FROM outbox.dead_letters", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(dead, 0, "server errors never dead-letter");
+    teardown(&db);
+}
+
+#[test]
+fn an_event_the_endpoint_refuses_is_dead_lettered_after_the_neighbour_test() {
+    let (db, mut c) = setup("http_422");
+    let rx = Receiver::start(|q, _| {
+        let body = String::from_utf8_lossy(&q.body);
+        if body.contains("\"poison\": true") || body.contains("\"poison\":true") {
+            (422, vec![])
+        } else {
+            (200, vec![])
+        }
+    });
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1, batch_size => 16)",
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+    c.batch_execute(
+        "SELECT outbox.raise_many(ARRAY['t.x'], array_agg(CASE WHEN i = 9 THEN jsonb_build_object('i', i, 'poison', true)
+                                                              ELSE jsonb_build_object('i', i) END ORDER BY i))
+           FROM generate_series(1, 40) i",
+    )
+    .unwrap();
+    let events = wait_delivered(&rx, 39);
+    assert_eq!(events.len(), 39);
+    assert!(events.iter().all(|e| e["data"].get("poison").is_none()));
+    let dead = eventually("the dead letter", Duration::from_secs(30), || {
+        c.query_opt("SELECT (event).payload::text, attempts, error FROM outbox.dead_letters WHERE sink = 'hook'", &[])
+            .unwrap()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i32>(1), r.get::<_, String>(2)))
+    });
+    assert_eq!(dead.0, r#"{"i": 9, "poison": true}"#);
+    assert_eq!(dead.1, 5);
+    assert_eq!(dead.2, "HTTP 422");
+    teardown(&db);
+}
+
+#[test]
+fn destinations_and_options_are_refused_with_clear_errors() {
+    let db = worker_db("http_refusals");
+    let mut c = db.connect();
+    for (sql, code) in [
+        ("SELECT outbox.create_http_sink('h', 'http://hooks.example.com/in')", "22023"),
+        ("SELECT outbox.create_http_sink('h', 'https://127.0.0.1/in')", "22023"),
+        ("SELECT outbox.create_http_sink('h', 'https://169.254.169.254/latest/meta-data')", "22023"),
+        ("SELECT outbox.create_http_sink('h', 'https://[::1]/in')", "22023"),
+        ("SELECT outbox.create_http_sink('h', 'not a url')", "22023"),
+        ("SELECT outbox.create_http_sink('h', 'https://user:pw@hooks.example.com/')", "22023"),
+        ("SELECT outbox.create_http_sink('h', NULL)", "22004"),
+        ("SELECT outbox.create_http_sink(NULL, 'https://hooks.example.com/')", "22004"),
+        ("SELECT outbox.create_http_sink('bad id', 'https://hooks.example.com/')", "42602"),
+        ("SELECT outbox.create_http_sink('h', 'https://hooks.example.com/', secret => 'hunter2')", "22023"),
+        ("SELECT outbox.create_http_sink('h', 'https://hooks.example.com/', headers => '{\"Webhook-Signature\": \"x\"}')", "22023"),
+        ("SELECT outbox.create_http_sink('h', 'https://hooks.example.com/', headers => '{\"X\": 1}')", "22023"),
+        ("SELECT outbox.create_http_sink('h', 'https://hooks.example.com/', headers => '[]')", "22023"),
+        ("SELECT outbox.create_http_sink('h', 'https://hooks.example.com/', timeout_ms => 5)", "22023"),
+    ] {
+        assert_eq!(sqlstate(&mut c, sql), code, "{sql}");
+    }
+    let msg = pg_outbox_tests::error_message(
+        &mut c,
+        "SELECT outbox.create_http_sink('h', 'https://hooks.example.com/', secret => 'hunter2')",
+    );
+    assert!(!msg.contains("hunter2"), "the secret is not echoed: {msg}");
+    let n: i64 = c
+        .query_one("SELECT count(*) FROM outbox.sinks", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0);
+}
+
+#[test]
+fn redirects_are_not_followed_and_secrets_stay_out_of_sight() {
+    let (db, mut c) = setup("http_redirect");
+    let rx = Receiver::start(|_, _| {
+        (
+            302,
+            vec![("location".into(), "http://127.0.0.1:1/elsewhere".into())],
+        )
+    });
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1, secret => $2, headers => jsonb_build_object('Authorization', $3::text))",
+        &[&rx.url("/in"), &SECRET, &TOKEN],
+    )
+    .unwrap();
+    c.batch_execute(
+        "SELECT outbox.raise('t.x', '{\"i\": 1}'); SELECT outbox.raise('t.x', '{\"i\": 2}')",
+    )
+    .unwrap();
+    eventually(
+        "the neighbour test to mark the sink down",
+        Duration::from_secs(40),
+        || {
+            let down: bool = c
+                .query_one("SELECT down FROM outbox.sinks WHERE id = 'hook'", &[])
+                .unwrap()
+                .get(0);
+            down.then_some(())
+        },
+    );
+    let r = c
+        .query_one(
+            "SELECT last_error, dead_letters, state FROM outbox.status() WHERE name = 'hook'",
+            &[],
+        )
+        .unwrap();
+    let error: String = r.get(0);
+    assert!(error.contains("redirect"), "{error}");
+    assert_eq!(
+        r.get::<_, i64>(1),
+        0,
+        "a redirecting endpoint dead-letters nothing"
+    );
+    assert!(
+        rx.received().iter().all(|q| q.status == 302),
+        "the location was never followed"
+    );
+    // Nowhere an operator looks shows the secret or the token.
+    let status: String = c
+        .query_one(
+            "SELECT string_agg(s::text, ' ') FROM outbox.status() s",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    for secret in [SECRET, TOKEN] {
+        assert!(!status.contains(secret));
+        assert!(
+            !db.cluster().log().contains(secret),
+            "the server log shows {secret}"
+        );
+    }
+    // And a role that may use the sink API cannot read them.
+    c.batch_execute(&format!(
+        "CREATE ROLE ops LOGIN; GRANT CONNECT ON DATABASE \"{}\" TO ops; GRANT USAGE ON SCHEMA outbox TO ops;
+         GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA outbox TO ops;",
+        db.name
+    ))
+    .unwrap();
+    let mut ops = db.connect_as("ops");
+    assert_eq!(
+        sqlstate(&mut ops, "SELECT * FROM outbox.http_sinks"),
+        "42501"
+    );
+    teardown(&db);
+}

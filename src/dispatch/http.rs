@@ -30,6 +30,8 @@ struct Request {
 
 struct Sink {
     id: String,
+    /// Second key of the session-level advisory lock this pass holds.
+    lease_key: i32,
     max_batch: u32,
     state: SinkState,
     cursor: Position,
@@ -52,12 +54,14 @@ enum Prepared {
     Absent,
     Contended,
     Ready(Box<(Sink, Window)>),
+    /// A dead letter marked for replay: it goes first, alone.
+    Replay(Box<(Sink, Position, Window)>),
 }
 
 fn lease_and_read(id: &str) -> Prepared {
     Spi::connect(|client| {
         let locked = client.select(
-            "SELECT pg_catalog.pg_try_advisory_lock($2, s.lease_key) FROM outbox.sinks s \
+            "SELECT s.lease_key, pg_catalog.pg_try_advisory_lock($2, s.lease_key) FROM outbox.sinks s \
               WHERE s.id = $1 AND s.kind = 'http'",
             Some(1),
             &[DatumWithOid::from(id), DatumWithOid::from(SINK_LEASE_CLASS)],
@@ -65,7 +69,9 @@ fn lease_and_read(id: &str) -> Prepared {
         if locked.is_empty() {
             return Ok(Prepared::Absent);
         }
-        if locked.first().get_one::<bool>()? != Some(true) {
+        let (lease_key, got) = locked.first().get_two::<i32, bool>()?;
+        let lease_key = lease_key.expect("lease_key is NOT NULL");
+        if got != Some(true) {
             return Ok(Prepared::Contended);
         }
         crate::transaction::refresh_snapshot();
@@ -80,6 +86,8 @@ fn lease_and_read(id: &str) -> Prepared {
             &[DatumWithOid::from(id)],
         )?;
         if rows.is_empty() {
+            // Paused or backing off after all: give the lease back now.
+            unlock(lease_key);
             return Ok(Prepared::Absent);
         }
         let r = rows.first();
@@ -89,6 +97,7 @@ fn lease_and_read(id: &str) -> Prepared {
             serde_json::from_str(&headers).expect("http_sinks.headers is a JSON object");
         let sink = Sink {
             id: id.to_string(),
+            lease_key,
             max_batch: r.get::<i32>(1)?.expect("batch_size").max(1) as u32,
             state: SinkState {
                 batch: r.get::<i32>(2)?.expect("current_batch").max(1) as u32,
@@ -103,29 +112,39 @@ fn lease_and_read(id: &str) -> Prepared {
             secret: r.get(8)?,
             timeout_ms: r.get(9)?.expect("timeout_ms"),
         };
-        let window = read_window(
-            client,
-            id,
-            sink.cursor,
-            sink.state.batch.min(sink.max_batch),
+        let replay = client.select(
+            "SELECT txid::text, seq, pg_catalog.jsonb_build_array(outbox._cloudevent(event))::text, \
+                    (event).id::text \
+               FROM outbox.dead_letters WHERE sink = $1 AND replay_requested_at IS NOT NULL \
+              ORDER BY txid, seq LIMIT 1",
+            Some(1),
+            &[DatumWithOid::from(id)],
         )?;
+        if !replay.is_empty() {
+            let r = replay.first();
+            let txid: String = r.get(1)?.expect("txid");
+            let position = Position::new(txid.parse().expect("xid8"), r.get(2)?.expect("seq"));
+            let window = Window {
+                count: 1,
+                last: Some(position),
+                matching: 1,
+                body: r.get(3)?,
+                ids: vec![r.get::<String>(4)?.expect("id")],
+            };
+            return Ok(Prepared::Replay(Box::new((sink, position, window))));
+        }
+        let window = read_window(client, id, sink.cursor, sink.state.batch.min(sink.max_batch))?;
         Ok::<_, pgrx::spi::Error>(Prepared::Ready(Box::new((sink, window))))
     })
     .unwrap_or_else(|e| panic!("preparing http sink \"{id}\": {e}"))
 }
 
-/// The CloudEvents batch of the events after `after` that the sink's topics match. Optional
-/// attributes that are NULL are left out, not sent as null (CloudEvents' rule).
+/// The CloudEvents batch of the events after `after` that the sink's topics match.
 const WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
         count(*) FILTER (WHERE m.ok)::int8, \
-        (pg_catalog.jsonb_agg( \
-            pg_catalog.jsonb_build_object('specversion', '1.0', 'id', r.id, \
-                'source', '/pg_outbox/' || pg_catalog.current_database(), 'type', r.topic, \
-                'time', r.raised_at, 'datacontenttype', 'application/json', 'data', r.payload, \
-                'position', r.position) \
-            || CASE WHEN r.subject IS NULL THEN '{}'::jsonb ELSE pg_catalog.jsonb_build_object('subject', r.subject) END \
-            || CASE WHEN r.tenant IS NULL THEN '{}'::jsonb ELSE pg_catalog.jsonb_build_object('tenant', r.tenant) END \
-          ORDER BY r.n) FILTER (WHERE m.ok))::text, \
+        (pg_catalog.jsonb_agg(outbox._cloudevent(ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, \
+                                                     r.headers, r.raised_at)::outbox.event) \
+                              ORDER BY r.n) FILTER (WHERE m.ok))::text, \
         pg_catalog.array_agg(r.id::text ORDER BY r.n) FILTER (WHERE m.ok) \
    FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
         AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
@@ -205,6 +224,17 @@ fn agent(timeout: Duration, allow: http::Allow) -> ureq::Agent {
 
 /// Sends one request on a thread of its own (never the one that talks to Postgres).
 fn send(agent: ureq::Agent, req: Request, max_response: u64) -> Outcome {
+    join(spawn(agent, req, max_response))
+}
+
+fn join(handle: std::thread::JoinHandle<Outcome>) -> Outcome {
+    handle.join().unwrap_or(Outcome::Transient {
+        retry_after: None,
+        reason: "the request thread panicked".into(),
+    })
+}
+
+fn spawn(agent: ureq::Agent, req: Request, max_response: u64) -> std::thread::JoinHandle<Outcome> {
     let work = move || {
         let timestamp = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -257,11 +287,6 @@ fn send(agent: ureq::Agent, req: Request, max_response: u64) -> Outcome {
         }
     };
     std::thread::spawn(work)
-        .join()
-        .unwrap_or(Outcome::Transient {
-            retry_after: None,
-            reason: "the request thread panicked".into(),
-        })
 }
 
 fn kind_of(e: &ureq::Error) -> String {
@@ -314,44 +339,156 @@ fn request(sink: &Sink, window: &Window) -> Request {
     }
 }
 
-fn unlock(id: &str) {
-    let _ = in_transaction(|| {
-        Spi::run_with_args(
-            "SELECT pg_catalog.pg_advisory_unlock($2, s.lease_key) FROM outbox.sinks s WHERE s.id = $1",
-            &[DatumWithOid::from(id), DatumWithOid::from(SINK_LEASE_CLASS)],
-        )
-    });
-    // If the sink was dropped meanwhile, its lock key is unknown: drop every session lock (a
-    // worker holds at most this one).
-    let _ = in_transaction(|| Spi::run("SELECT pg_catalog.pg_advisory_unlock_all()"));
+/// Releases a sink's lease (a session-level lock: it outlives transactions, so it is released
+/// explicitly; a worker that dies releases it with its session).
+fn unlock(lease_key: i32) {
+    Spi::run_with_args(
+        "SELECT pg_catalog.pg_advisory_unlock($1, $2)",
+        &[
+            DatumWithOid::from(SINK_LEASE_CLASS),
+            DatumWithOid::from(lease_key),
+        ],
+    )
+    .expect("releasing a sink lease");
 }
 
-/// One pass over one HTTP sink: prepare, send, record.
-pub fn pass(id: &str, agents: &mut Agents) -> Result<PassResult, Failure> {
-    if !in_transaction(super::lock_tables)? {
-        return Ok(PassResult::Skipped);
+fn release(lease_key: i32) -> Result<(), Failure> {
+    in_transaction(|| unlock(lease_key))
+}
+
+/// A request on its way: started by `start`, recorded by `finish`.
+pub struct InFlight {
+    sink: Sink,
+    window: Window,
+    replay: Option<Position>,
+    handle: std::thread::JoinHandle<Outcome>,
+}
+
+impl InFlight {
+    pub fn sink_id(&self) -> &str {
+        &self.sink.id
     }
-    let (sink, window) = match in_transaction(|| lease_and_read(id))? {
-        Prepared::Absent => return Ok(PassResult::Skipped),
-        Prepared::Contended => return Ok(PassResult::Contended),
-        Prepared::Ready(ready) => *ready,
+}
+
+pub enum Started {
+    Done(PassResult),
+    InFlight(Box<InFlight>),
+}
+
+/// First half of a pass: lease, read, and the request sent on its own thread. Several sinks'
+/// requests fly at once while the worker goes on (it serves SQL sinks meanwhile).
+pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
+    if !in_transaction(super::lock_tables)? {
+        return Ok(Started::Done(PassResult::Skipped));
+    }
+    let prepared = in_transaction(|| lease_and_read(id)).inspect_err(|_| {
+        // The lease may have been taken before the error: a session lock survives the abort.
+        let _ = in_transaction(|| {
+            Spi::run_with_args(
+                "SELECT pg_catalog.pg_advisory_unlock($2, s.lease_key) FROM outbox.sinks s \
+                  WHERE s.id = $1 AND EXISTS (SELECT 1 FROM pg_catalog.pg_locks l \
+                         WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid() \
+                           AND l.classid::int4 = $2 AND l.objid::int4 = s.lease_key)",
+                &[DatumWithOid::from(id), DatumWithOid::from(SINK_LEASE_CLASS)],
+            )
+        });
+    })?;
+    let (sink, window, replay) = match prepared {
+        Prepared::Absent => return Ok(Started::Done(PassResult::Skipped)),
+        Prepared::Contended => return Ok(Started::Done(PassResult::Contended)),
+        Prepared::Ready(ready) => {
+            let (sink, window) = *ready;
+            (sink, window, None)
+        }
+        Prepared::Replay(replay) => {
+            let (sink, position, window) = *replay;
+            (sink, window, Some(position))
+        }
     };
-    let result = deliver(&sink, window, agents);
-    unlock(id);
+    let Some(last) = window.last else {
+        release(sink.lease_key)?;
+        return Ok(Started::Done(PassResult::Idle));
+    };
+    if window.body.is_none() {
+        // Nothing here for this sink's topics: move past the window.
+        let full = window.count as u32 >= sink.state.batch;
+        let saved = in_transaction(|| cursor::save(&sink.id, last));
+        release(sink.lease_key)?;
+        saved?;
+        return Ok(Started::Done(PassResult::Delivered { events: 0, full }));
+    }
+    let max_response = settings::HTTP_MAX_RESPONSE_BYTES.get().max(0) as u64;
+    let handle = spawn(agents.get(&sink), request(&sink, &window), max_response);
+    Ok(Started::InFlight(Box::new(InFlight {
+        sink,
+        window,
+        replay,
+        handle,
+    })))
+}
+
+/// Second half: wait for the response, record what it means, release the lease.
+pub fn finish(flight: InFlight, agents: &mut Agents) -> Result<PassResult, Failure> {
+    let outcome = join(flight.handle);
+    let result = match flight.replay {
+        Some(position) => record_replay(&flight.sink, position, outcome),
+        None => record(&flight.sink, flight.window, outcome, agents),
+    };
+    release(flight.sink.lease_key)?;
     result
 }
 
-fn deliver(sink: &Sink, window: Window, agents: &mut Agents) -> Result<PassResult, Failure> {
-    let Some(last) = window.last else {
-        return Ok(PassResult::Idle);
+/// A replayed dead letter: accepted, it is gone; refused or failed, it stays with one more attempt.
+fn record_replay(sink: &Sink, position: Position, outcome: Outcome) -> Result<PassResult, Failure> {
+    let run = |sql: &str, reason: Option<&str>| {
+        let mut args = vec![
+            DatumWithOid::from(sink.id.as_str()),
+            DatumWithOid::from(position.txid.to_string()),
+            DatumWithOid::from(position.seq),
+        ];
+        if let Some(r) = reason {
+            args.push(DatumWithOid::from(r));
+        }
+        in_transaction(|| Spi::run_with_args(sql, &args).expect("updating a dead letter"))
     };
-    let full = window.count as u32 >= sink.state.batch;
-    if window.body.is_none() {
-        in_transaction(|| cursor::save(&sink.id, last))?;
-        return Ok(PassResult::Delivered { events: 0, full });
+    match outcome {
+        Outcome::Delivered => {
+            run("DELETE FROM outbox.dead_letters WHERE sink = $1 AND txid = $2::pg_catalog.xid8 AND seq = $3", None)?;
+            pgrx::log!(
+                "pg_outbox: http sink \"{}\" accepted replayed event {position}",
+                sink.id
+            );
+            Ok(PassResult::Delivered {
+                events: 1,
+                full: true,
+            })
+        }
+        Outcome::Transient { reason, .. } | Outcome::Rejected { reason } => {
+            run(
+                "UPDATE outbox.dead_letters SET attempts = attempts + 1, error = $4, sqlstate = NULL, \
+                        dead_at = pg_catalog.now(), replay_requested_at = NULL \
+                  WHERE sink = $1 AND txid = $2::pg_catalog.xid8 AND seq = $3",
+                Some(&reason),
+            )?;
+            pgrx::warning!(
+                "pg_outbox: http sink \"{}\" failed on replayed event {position}, back to the dead letters: {reason}",
+                sink.id
+            );
+            Ok(PassResult::Retry)
+        }
     }
-    let max_response = settings::HTTP_MAX_RESPONSE_BYTES.get().max(0) as u64;
-    let outcome = send(agents.get(sink), request(sink, &window), max_response);
+}
+
+fn record(
+    sink: &Sink,
+    window: Window,
+    outcome: Outcome,
+    agents: &mut Agents,
+) -> Result<PassResult, Failure> {
+    let last = window
+        .last
+        .expect("a request is sent only for a non-empty window");
+    let full = window.count as u32 >= sink.state.batch;
     let policy = settings::policy(sink.max_batch);
     match outcome {
         Outcome::Delivered => {

@@ -36,6 +36,17 @@ CREATE TABLE outbox.http_sinks (
     timeout_ms integer NOT NULL CHECK (timeout_ms BETWEEN 100 AND 600000)
 );
 
+-- One event as an HTTP sink sends it: a CloudEvents 1.0 JSON object. Optional attributes that
+-- are NULL are left out (CloudEvents' rule); position and tenant are extension attributes.
+CREATE FUNCTION outbox._cloudevent(e outbox.event) RETURNS jsonb
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT jsonb_build_object('specversion', '1.0', 'id', e.id, 'source', '/pg_outbox/' || current_database(),
+                              'type', e.topic, 'time', e.raised_at, 'datacontenttype', 'application/json',
+                              'data', e.payload, 'position', e.position)
+           || CASE WHEN e.subject IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('subject', e.subject) END
+           || CASE WHEN e.tenant IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('tenant', e.tenant) END
+$$;
+
 -- Events a sink could never accept, kept for inspection and replay.
 CREATE TABLE outbox.dead_letters (
     sink                text            NOT NULL REFERENCES outbox.sinks (id) ON DELETE CASCADE,

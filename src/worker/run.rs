@@ -149,15 +149,32 @@ impl Worker {
         let mut contended = false;
         let sinks = sinks.expect("due sinks are read when the SQL is ready");
         super::set_has_sinks(sinks.count > 0);
+        let mut in_flight = Vec::new();
+        let mut results = Vec::new();
         for (sink, is_http) in sinks.due {
             if BackgroundWorker::sigterm_received() {
                 return Duration::ZERO;
             }
             let result = if is_http {
-                dispatch::http::pass(&sink, &mut self.agents)
+                match dispatch::http::start(&sink, &mut self.agents) {
+                    Ok(dispatch::http::Started::InFlight(flight)) => {
+                        in_flight.push(flight);
+                        continue;
+                    }
+                    Ok(dispatch::http::Started::Done(result)) => Ok(result),
+                    Err(e) => Err(e),
+                }
             } else {
                 in_transaction(|| dispatch::pass(&sink))
             };
+            results.push((sink, result));
+        }
+        // The HTTP requests flew while the SQL sinks were served; now record them.
+        for flight in in_flight {
+            let sink = flight.sink_id().to_string();
+            results.push((sink, dispatch::http::finish(*flight, &mut self.agents)));
+        }
+        for (sink, result) in results {
             match result {
                 Ok(PassResult::Delivered { events, full }) => {
                     slot_pass(self.slot, events as u64);

@@ -24,11 +24,28 @@ pub struct Receiver {
 }
 
 impl Receiver {
-    /// Starts listening on 127.0.0.1; `respond(request, index)` picks each answer.
+    /// Starts listening on 127.0.0.1; `respond(request, index)` picks each answer (and may sleep).
     pub fn start(
         respond: impl Fn(&Received, usize) -> (u16, Vec<(String, String)>) + Send + Sync + 'static,
     ) -> Receiver {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("binding a loopback port");
+        Receiver::start_on(0, respond)
+    }
+
+    /// A loopback port nothing listens on (yet): connections to it are refused.
+    pub fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// Like `start`, on a given port (0: any).
+    pub fn start_on(
+        port: u16,
+        respond: impl Fn(&Received, usize) -> (u16, Vec<(String, String)>) + Send + Sync + 'static,
+    ) -> Receiver {
+        let listener = TcpListener::bind(("127.0.0.1", port)).expect("binding a loopback port");
         let port = listener.local_addr().unwrap().port();
         let received = Arc::new(Mutex::new(Vec::new()));
         let respond: Arc<Responder> = Arc::new(respond);
@@ -81,18 +98,19 @@ fn serve(stream: TcpStream, received: Arc<Mutex<Vec<Received>>>, respond: Arc<Re
         if reader.read_exact(&mut body).is_err() {
             return;
         }
-        let mut request = Received {
+        let request = Received {
             headers,
             body,
             status: 0,
         };
-        let (status, extra) = {
+        // Recorded before the responder runs (it may take its time, or never answer).
+        let index = {
             let mut all = received.lock().unwrap();
-            let answer = respond(&request, all.len());
-            request.status = answer.0;
-            all.push(request);
-            answer
+            all.push(request.clone());
+            all.len() - 1
         };
+        let (status, extra) = respond(&request, index);
+        received.lock().unwrap()[index].status = status;
         let mut response = format!("HTTP/1.1 {status} X\r\ncontent-length: 0\r\n");
         for (k, v) in extra {
             response.push_str(&format!("{k}: {v}\r\n"));

@@ -293,3 +293,189 @@ fn redirects_are_not_followed_and_secrets_stay_out_of_sight() {
     );
     teardown(&db);
 }
+
+#[test]
+fn a_hanging_endpoint_times_out_without_holding_up_another_sink() {
+    let (db, mut c) = setup("http_hang");
+    let hanging = Receiver::start(|_, _| {
+        std::thread::sleep(Duration::from_secs(30));
+        (200, vec![])
+    });
+    let fine = Receiver::start(|_, _| (200, vec![]));
+    c.execute(
+        "SELECT outbox.create_http_sink('hang', $1, timeout_ms => 1500)",
+        &[&hanging.url("/in")],
+    )
+    .unwrap();
+    c.execute(
+        "SELECT outbox.create_http_sink('fine', $1)",
+        &[&fine.url("/in")],
+    )
+    .unwrap();
+    let start = std::time::Instant::now();
+    c.batch_execute("SELECT outbox.raise('t.x', '{\"i\": 1}')")
+        .unwrap();
+    wait_delivered(&fine, 1);
+    assert!(
+        start.elapsed() < Duration::from_millis(1500),
+        "the fine sink waited {:?}",
+        start.elapsed()
+    );
+    eventually(
+        "the timeout on the hanging sink",
+        Duration::from_secs(20),
+        || {
+            let e: Option<String> = c
+                .query_one(
+                    "SELECT last_error FROM outbox.status() WHERE name = 'hang'",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            e.filter(|e| e.contains("timed out")).map(|_| ())
+        },
+    );
+    // And more events keep flowing to the fine one meanwhile.
+    c.batch_execute("SELECT outbox.raise('t.x', '{\"i\": 2}')")
+        .unwrap();
+    wait_delivered(&fine, 2);
+    teardown(&db);
+}
+
+#[test]
+fn an_endpoint_down_for_a_while_loses_nothing() {
+    let (db, mut c) = setup("http_down");
+    let port = Receiver::free_port();
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1)",
+        &[&format!("http://127.0.0.1:{port}/in")],
+    )
+    .unwrap();
+    c.batch_execute(
+        "SELECT outbox.raise('t.x', jsonb_build_object('i', i)) FROM generate_series(1, 25) i",
+    )
+    .unwrap();
+    eventually(
+        "connection failures to be recorded",
+        Duration::from_secs(20),
+        || {
+            let a: i32 = c
+                .query_one(
+                    "SELECT attempts FROM outbox.status() WHERE name = 'hook'",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            (a >= 2).then_some(())
+        },
+    );
+    let rx = Receiver::start_on(port, |_, _| (200, vec![]));
+    let events = wait_delivered(&rx, 25);
+    assert_eq!(events.len(), 25);
+    assert!(positions(&events).windows(2).all(|w| w[0] < w[1]));
+    let dead: i64 = c
+        .query_one("SELECT count(*) FROM outbox.dead_letters", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(dead, 0);
+    teardown(&db);
+}
+
+#[test]
+fn a_server_crash_mid_request_redelivers_the_batch() {
+    let (db, mut c) = setup("http_crash");
+    // The first request is held for 3 s (the server dies meanwhile); later ones succeed.
+    let rx = Receiver::start(|_, n| {
+        if n == 0 {
+            std::thread::sleep(Duration::from_secs(3));
+        }
+        (200, vec![])
+    });
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1)",
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+    c.batch_execute(
+        "SELECT outbox.raise('t.x', jsonb_build_object('i', i)) FROM generate_series(1, 10) i",
+    )
+    .unwrap();
+    eventually("the first request", Duration::from_secs(10), || {
+        (!rx.received().is_empty()).then_some(())
+    });
+    drop(c);
+    db.cluster().restart_immediate();
+    db.cluster().wait_for_workers(&db.name);
+    eventually(
+        "the batch again after the restart",
+        Duration::from_secs(30),
+        || (rx.received().len() >= 2).then_some(()),
+    );
+    let r = rx.received();
+    assert_eq!(
+        r[0].headers["idempotency-key"], r[1].headers["idempotency-key"],
+        "the same batch, the same key"
+    );
+    assert_eq!(r[0].body, r[1].body);
+    let mut c = db.connect();
+    eventually("the cursor past the batch", Duration::from_secs(10), || {
+        let behind: i64 = c
+            .query_one(
+                "SELECT events_behind FROM outbox.status() WHERE name = 'hook'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        (behind == 0).then_some(())
+    });
+    teardown(&db);
+}
+
+#[test]
+fn a_dead_letter_is_replayed_to_its_http_sink() {
+    let (db, mut c) = setup("http_replay");
+    let accept = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let gate = accept.clone();
+    let rx = Receiver::start(move |q, _| {
+        let poison = String::from_utf8_lossy(&q.body).contains("poison");
+        if poison && !gate.load(std::sync::atomic::Ordering::SeqCst) {
+            (422, vec![])
+        } else {
+            (200, vec![])
+        }
+    });
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1)",
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+    c.batch_execute("SELECT outbox.raise('t.x', '{\"poison\": true}'); SELECT outbox.raise('t.x', '{\"ok\": 1}')").unwrap();
+    eventually("the dead letter", Duration::from_secs(30), || {
+        let n: i64 = c
+            .query_one("SELECT count(*) FROM outbox.dead_letters", &[])
+            .unwrap()
+            .get(0);
+        (n == 1).then_some(())
+    });
+    accept.store(true, std::sync::atomic::Ordering::SeqCst);
+    c.batch_execute("SELECT outbox.replay('hook')").unwrap();
+    eventually(
+        "the replayed event accepted",
+        Duration::from_secs(20),
+        || {
+            let n: i64 = c
+                .query_one("SELECT count(*) FROM outbox.dead_letters", &[])
+                .unwrap()
+                .get(0);
+            (n == 0).then_some(())
+        },
+    );
+    let events = delivered(&rx);
+    assert_eq!(events.len(), 2);
+    assert_eq!(
+        events[1]["data"],
+        serde_json::json!({"poison": true}),
+        "replayed after the neighbour went through"
+    );
+    teardown(&db);
+}

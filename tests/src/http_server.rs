@@ -14,6 +14,8 @@ pub struct Received {
     pub body: Vec<u8>,
     /// The status the responder gave it.
     pub status: u16,
+    /// When its body had been read.
+    pub at: std::time::SystemTime,
 }
 
 pub type Responder = dyn Fn(&Received, usize) -> (u16, Vec<(String, String)>) + Send + Sync;
@@ -102,6 +104,7 @@ fn serve(stream: TcpStream, received: Arc<Mutex<Vec<Received>>>, respond: Arc<Re
             headers,
             body,
             status: 0,
+            at: std::time::SystemTime::now(),
         };
         // Recorded before the responder runs (it may take its time, or never answer).
         let index = {

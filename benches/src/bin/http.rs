@@ -1,0 +1,203 @@
+//! HTTP sink benchmark: events/s delivered to a receiver on loopback (one sink and four, batch
+//! sizes 1, 128 and 1000), and commit-to-request latency at 500 events/s. Starts its own
+//! throwaway cluster (fsync on) with loopback and plain HTTP allowed for the receiver.
+//!
+//! Run through `bash benches/http.sh`. BENCH_EVENTS (default 50000) sets the drain size,
+//! BENCH_SECONDS (default 10) the latency run.
+
+use pg_outbox_tests::http_server::Receiver;
+use pg_outbox_tests::{eventually, Cluster};
+use postgres::Client;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn head(c: &mut Client) -> String {
+    c.query_one(
+        "SELECT txid::text || ':' || seq FROM outbox.events ORDER BY txid DESC, seq DESC LIMIT 1",
+        &[],
+    )
+    .unwrap()
+    .get(0)
+}
+
+fn caught_up(c: &mut Client, sinks: &[String], position: &str) -> bool {
+    let (txid, seq) = position.split_once(':').unwrap();
+    let seq: i64 = seq.parse().unwrap();
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.consumers WHERE name = ANY($1) AND (txid, seq) >= ($2::text::xid8, $3)",
+            &[&sinks, &txid, &seq],
+        )
+        .unwrap()
+        .get(0);
+    n as usize == sinks.len()
+}
+
+/// Events/s (summed over the sinks) for `sinks` HTTP sinks at `batch`, draining `n` events each.
+fn drain(c: &mut Client, rx: &Receiver, sinks: usize, batch: i32, n: i64) -> f64 {
+    let names: Vec<String> = (0..sinks).map(|i| format!("h{batch}_{i}")).collect();
+    for name in &names {
+        c.execute(
+            "SELECT outbox.create_http_sink($1, $2, batch_size => $3, start_at => 'now')",
+            &[name, &rx.url("/in"), &batch],
+        )
+        .unwrap();
+        c.execute("SELECT outbox.pause_sink($1)", &[name]).unwrap();
+    }
+    let mut raised = 0i64;
+    while raised < n {
+        let upto = (raised + 10_000).min(n);
+        c.execute(
+            "SELECT outbox.raise_many(ARRAY['bench.tick'], array_agg(jsonb_build_object('k', i, 'amount', 150.5) ORDER BY i)) \
+               FROM generate_series($1::int8 + 1, $2::int8) i",
+            &[&raised, &upto],
+        )
+        .unwrap();
+        raised = upto;
+    }
+    let last = head(c);
+    let start = Instant::now();
+    for name in &names {
+        c.execute("SELECT outbox.resume_sink($1)", &[name]).unwrap();
+    }
+    eventually("the sinks to drain", Duration::from_secs(900), || {
+        caught_up(c, &names, &last).then_some(())
+    });
+    let rate = (n as f64 * sinks as f64) / start.elapsed().as_secs_f64();
+    for name in &names {
+        c.execute("SELECT outbox.drop_sink($1)", &[name]).unwrap();
+    }
+    rate
+}
+
+fn latency(cluster: &Cluster, c: &mut Client, rx: &Receiver, seconds: u64) -> (f64, f64, f64, f64) {
+    c.execute(
+        "SELECT outbox.create_http_sink('lat', $1, start_at => 'now')",
+        &[&rx.url("/lat")],
+    )
+    .unwrap();
+    let before = rx.received().len();
+    let started = Instant::now();
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let mut client = cluster.connect("bench", "postgres");
+            std::thread::spawn(move || {
+                let stmt = client
+                    .prepare(
+                        "SELECT outbox.raise('bench.latency', jsonb_build_object('k', $1::int8))",
+                    )
+                    .unwrap();
+                let mut commits = Vec::new();
+                let mut i = 0i64;
+                while started.elapsed() < Duration::from_secs(seconds) {
+                    let due = Duration::from_secs_f64(i as f64 / 125.0);
+                    if let Some(wait) = due.checked_sub(started.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                    let k = t as i64 * 1_000_000_000 + i;
+                    client.execute(&stmt, &[&k]).unwrap();
+                    commits.push((k, SystemTime::now()));
+                    i += 1;
+                }
+                commits
+            })
+        })
+        .collect();
+    let commits: Vec<(i64, SystemTime)> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    let rate = commits.len() as f64 / started.elapsed().as_secs_f64();
+    let last = head(c);
+    eventually(
+        "the latency sink to catch up",
+        Duration::from_secs(60),
+        || caught_up(c, &["lat".to_string()], &last).then_some(()),
+    );
+    let mut arrived = std::collections::HashMap::new();
+    for q in rx
+        .received()
+        .into_iter()
+        .skip(before)
+        .filter(|q| q.status == 200)
+    {
+        for e in serde_json::from_slice::<Vec<serde_json::Value>>(&q.body).unwrap() {
+            arrived
+                .entry(e["data"]["k"].as_i64().unwrap())
+                .or_insert(q.at);
+        }
+    }
+    let mut ms: Vec<f64> = commits
+        .iter()
+        .map(|(k, at)| {
+            arrived[k].duration_since(UNIX_EPOCH).unwrap().as_secs_f64() * 1000.0
+                - at.duration_since(UNIX_EPOCH).unwrap().as_secs_f64() * 1000.0
+        })
+        .collect();
+    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let pct = |p: f64| ms[((ms.len() as f64 * p) as usize).min(ms.len() - 1)];
+    c.execute("SELECT outbox.drop_sink('lat')", &[]).unwrap();
+    (rate, pct(0.5), pct(0.99), *ms.last().unwrap())
+}
+
+fn main() {
+    let events: i64 = env_or("BENCH_EVENTS", 50_000);
+    let seconds: u64 = env_or("BENCH_SECONDS", 10);
+    let cluster = Cluster::start_with(
+        "pg_outbox_bench_http",
+        &[
+            "shared_buffers = '1GB'",
+            "max_wal_size = '4GB'",
+            "pg_outbox.database = 'bench'",
+            "pg_outbox.http_allow_plain = on",
+            "pg_outbox.http_allow_private = on",
+        ],
+    );
+    let rx = Receiver::start(|_, _| (200, vec![]));
+    let result = std::panic::catch_unwind(|| {
+        let mut admin = cluster.connect("postgres", "postgres");
+        admin.batch_execute("CREATE DATABASE bench").unwrap();
+        let mut c = cluster.connect("bench", "postgres");
+        c.batch_execute("CREATE EXTENSION pg_outbox").unwrap();
+        cluster.wait_for_workers("bench");
+        println!("\npg_outbox HTTP sink benchmark: receiver on loopback answering 200, fsync on, 2 workers\n");
+        println!(
+            "{:<40} {:>12}",
+            "drain of waiting events (all sinks)", "events/s"
+        );
+        for (sinks, batch, n) in [
+            (1, 1, (events / 10).max(1000)),
+            (1, 128, events),
+            (1, 1000, events),
+            (4, 1, (events / 40).max(500)),
+            (4, 128, events / 4),
+            (4, 1000, events / 4),
+        ] {
+            let rate = drain(&mut c, &rx, sinks, batch, n);
+            println!(
+                "{:<40} {:>12.0}",
+                format!("{sinks} sink(s), batch_size {batch}, {n} events each"),
+                rate
+            );
+        }
+        let (rate, p50, p99, max) = latency(&cluster, &mut c, &rx, seconds);
+        println!(
+            "\n{:<40} {:>10} {:>8} {:>8} {:>8}",
+            "commit-to-request latency (ms)", "events/s", "p50", "p99", "max"
+        );
+        println!(
+            "{:<40} {:>10.0} {:>8.2} {:>8.2} {:>8.2}\n",
+            "steady 500 events/s, 1 sink", rate, p50, p99, max
+        );
+    });
+    cluster.stop();
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+}

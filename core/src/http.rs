@@ -83,6 +83,8 @@ pub fn is_internal(ip: IpAddr) -> bool {
                 || a.is_unspecified()
                 || a.is_documentation()
                 || a.octets()[0] == 100 && (a.octets()[1] & 0xC0) == 64 // 100.64/10 shared CGNAT
+                || a.octets()[0] == 198 && (a.octets()[1] & 0xFE) == 18 // 198.18/15 benchmarking
+                || a.octets()[0] >= 240 // 240/4 reserved
                 || a.octets()[0] == 0
         }
         IpAddr::V6(a) => {
@@ -90,6 +92,22 @@ pub fn is_internal(ip: IpAddr) -> bool {
                 return is_internal(IpAddr::V4(v4));
             }
             let s = a.segments();
+            // Addresses that carry an IPv4 address a gateway may reach: NAT64 (64:ff9b::/96) and
+            // 6to4 (2002::/16). Judge the address inside.
+            let embedded = |hi: u16, lo: u16| {
+                IpAddr::V4(std::net::Ipv4Addr::new(
+                    (hi >> 8) as u8,
+                    hi as u8,
+                    (lo >> 8) as u8,
+                    lo as u8,
+                ))
+            };
+            if s[0] == 0x64 && s[1] == 0xff9b && s[2..6] == [0, 0, 0, 0] {
+                return is_internal(embedded(s[6], s[7]));
+            }
+            if s[0] == 0x2002 {
+                return is_internal(embedded(s[1], s[2]));
+            }
             a.is_loopback()
                 || a.is_unspecified()
                 || a.is_multicast()
@@ -285,6 +303,19 @@ mod tests {
             );
         }
         assert!(!is_internal("93.184.216.34".parse().unwrap()));
+        for internal in [
+            "64:ff9b::a9fe:a9fe",
+            "2002:7f00:1::",
+            "198.18.0.1",
+            "250.1.2.3",
+            "::ffff:169.254.169.254",
+        ] {
+            assert!(is_internal(internal.parse().unwrap()), "{internal}");
+        }
+        assert!(
+            !is_internal("64:ff9b::5db8:d822".parse().unwrap()),
+            "NAT64 of a public address"
+        );
         assert!(!is_internal("2606:2800:220:1::1".parse().unwrap()));
     }
 

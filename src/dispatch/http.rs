@@ -8,7 +8,6 @@
 //! the lease with its session. The cursor moves only after a 2xx: at least once.
 
 use super::{save_state, PassResult, SINK_LEASE_CLASS};
-use crate::cursor;
 use crate::settings;
 use crate::transaction::{in_transaction, Failure};
 use pg_outbox_core::http::{self, Outcome, Secret};
@@ -32,6 +31,11 @@ struct Sink {
     id: String,
     /// Second key of the session-level advisory lock this pass holds.
     lease_key: i32,
+    /// The cursor's rewind count when read: a save after a rewind (or for a sink dropped and
+    /// created again under the same name) must not apply.
+    rewinds: i64,
+    /// Consecutive transient failures (5xx, timeouts, refused connections).
+    transient: u32,
     max_batch: u32,
     state: SinkState,
     cursor: Position,
@@ -77,7 +81,7 @@ fn lease_and_read(id: &str) -> Prepared {
         crate::transaction::refresh_snapshot();
         let rows = client.select(
             "SELECT s.batch_size, s.current_batch, s.attempts, c.txid::text, c.seq, \
-                    h.url, h.headers::text, h.secret, h.timeout_ms \
+                    h.url, h.headers::text, h.secret, h.timeout_ms, c.rewinds, s.transient \
                FROM outbox.sinks s JOIN outbox.consumers c ON c.name = s.id \
                JOIN outbox.http_sinks h ON h.id = s.id \
               WHERE s.id = $1 AND NOT s.paused \
@@ -98,6 +102,8 @@ fn lease_and_read(id: &str) -> Prepared {
         let sink = Sink {
             id: id.to_string(),
             lease_key,
+            rewinds: r.get(10)?.expect("rewinds"),
+            transient: r.get::<i32>(11)?.expect("transient").max(0) as u32,
             max_batch: r.get::<i32>(1)?.expect("batch_size").max(1) as u32,
             state: SinkState {
                 batch: r.get::<i32>(2)?.expect("current_batch").max(1) as u32,
@@ -206,6 +212,9 @@ fn agent(timeout: Duration, allow: http::Allow) -> ureq::Agent {
     let config = ureq::Agent::config_builder()
         .timeout_global(Some(timeout))
         .timeout_connect(Some(settings::ms(&settings::HTTP_CONNECT_TIMEOUT_MS)))
+        // Never a proxy from the server's environment: the address checks would only see the
+        // proxy, and the proxy would reach what they refuse.
+        .proxy(None)
         .max_redirects(0)
         .max_redirects_will_error(false)
         .http_status_as_error(false)
@@ -246,11 +255,21 @@ fn spawn(agent: ureq::Agent, req: Request, max_response: u64) -> std::thread::Jo
             .header("idempotency-key", &req.key)
             .header("webhook-id", &req.key)
             .header("webhook-timestamp", timestamp.to_string());
-        if let Some(secret) = req.secret.as_deref().and_then(|s| Secret::parse(s).ok()) {
-            r = r.header(
-                "webhook-signature",
-                secret.sign(&req.key, timestamp, req.body.as_bytes()),
-            );
+        match req.secret.as_deref().map(Secret::parse) {
+            // Never unsigned when a secret is configured, even if someone broke it in the table.
+            Some(Err(_)) => {
+                return Outcome::Transient {
+                    retry_after: None,
+                    reason: "the stored signing secret is invalid".into(),
+                }
+            }
+            Some(Ok(secret)) => {
+                r = r.header(
+                    "webhook-signature",
+                    secret.sign(&req.key, timestamp, req.body.as_bytes()),
+                )
+            }
+            None => {}
         }
         for (k, v) in &req.headers {
             r = r.header(k, v);
@@ -299,6 +318,58 @@ fn kind_of(e: &ureq::Error) -> String {
         ureq::Error::RequireHttpsOnly(_) => "plain http is not allowed".into(),
         other => other.to_string().chars().take(200).collect(),
     }
+}
+
+/// Moves the cursor after a response, unless the sink was rewound, or dropped and created again,
+/// while the request was in flight.
+fn save_cursor(sink: &Sink, to: Position) -> bool {
+    crate::owner::as_owner(|| {
+        Spi::get_one_with_args::<bool>(
+            "UPDATE outbox.consumers c SET txid = $2::xid8, seq = $3, moved_at = now() \
+              WHERE c.name = $1 AND (c.txid, c.seq) < ($2::xid8, $3) AND c.rewinds = $4 \
+                AND EXISTS (SELECT 1 FROM outbox.sinks s WHERE s.id = c.name AND s.lease_key = $5) \
+             RETURNING true",
+            &[
+                DatumWithOid::from(sink.id.as_str()),
+                DatumWithOid::from(to.txid.to_string()),
+                DatumWithOid::from(to.seq),
+                DatumWithOid::from(sink.rewinds),
+                DatumWithOid::from(sink.lease_key),
+            ],
+        )
+    })
+    .map(|moved| moved.unwrap_or(false))
+    .or_else(|e| match e {
+        pgrx::spi::Error::InvalidPosition => Ok(false),
+        e => Err(e),
+    })
+    .unwrap_or_else(|e| panic!("moving cursor of \"{}\": {e}", sink.id))
+}
+
+/// Records a transient failure: the endpoint, not an event.
+fn transient_failure(
+    id: &str,
+    transient: u32,
+    window: usize,
+    delay: Duration,
+    down: bool,
+    reason: &str,
+) {
+    Spi::run_with_args(
+        "UPDATE outbox.sinks SET transient = $2, current_batch = greatest($3, 1), down = $5, \
+                next_attempt_at = pg_catalog.now() + $4::int8 * interval '1 millisecond', \
+                last_error = $6, last_sqlstate = NULL, last_error_at = pg_catalog.now() \
+          WHERE id = $1",
+        &[
+            DatumWithOid::from(id),
+            DatumWithOid::from(transient.min(i32::MAX as u32) as i32),
+            DatumWithOid::from(window.min(i32::MAX as usize) as i32),
+            DatumWithOid::from(delay.as_millis().min(i64::MAX as u128) as i64),
+            DatumWithOid::from(down),
+            DatumWithOid::from(reason),
+        ],
+    )
+    .expect("recording a transient failure");
 }
 
 fn failure(reason: &str) -> Failure {
@@ -368,6 +439,16 @@ impl InFlight {
     pub fn sink_id(&self) -> &str {
         &self.sink.id
     }
+
+    pub fn is_finished(&self) -> bool {
+        self.handle.is_finished()
+    }
+}
+
+/// Gives the lease back without waiting for the response (the worker is stopping). The cursor
+/// did not move: the batch goes out again, with the same idempotency key.
+pub fn abandon(flight: InFlight) {
+    let _ = release(flight.sink.lease_key);
 }
 
 pub enum Started {
@@ -412,7 +493,7 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
     if window.body.is_none() {
         // Nothing here for this sink's topics: move past the window.
         let full = window.count as u32 >= sink.state.batch;
-        let saved = in_transaction(|| cursor::save(&sink.id, last));
+        let saved = in_transaction(|| save_cursor(&sink, last));
         release(sink.lease_key)?;
         saved?;
         return Ok(Started::Done(PassResult::Delivered { events: 0, full }));
@@ -463,7 +544,29 @@ fn record_replay(sink: &Sink, position: Position, outcome: Outcome) -> Result<Pa
                 full: true,
             })
         }
-        Outcome::Transient { reason, .. } | Outcome::Rejected { reason } => {
+        Outcome::Transient {
+            retry_after,
+            reason,
+        } => {
+            // The endpoint is not taking anything now: the replay waits, the sink backs off.
+            let policy = settings::policy(sink.max_batch);
+            let transient = sink.transient.saturating_add(1);
+            let delay = retry_after
+                .unwrap_or_default()
+                .max(policy.backoff(transient));
+            in_transaction(|| {
+                transient_failure(
+                    &sink.id,
+                    transient,
+                    1,
+                    delay,
+                    transient >= policy.poison_after,
+                    &reason,
+                )
+            })?;
+            Ok(PassResult::Failed)
+        }
+        Outcome::Rejected { reason } => {
             run(
                 "UPDATE outbox.dead_letters SET attempts = attempts + 1, error = $4, sqlstate = NULL, \
                         dead_at = pg_catalog.now(), replay_requested_at = NULL \
@@ -493,7 +596,7 @@ fn record(
     match outcome {
         Outcome::Delivered => {
             in_transaction(|| {
-                cursor::save(&sink.id, last);
+                save_cursor(sink, last);
                 Spi::connect_mut(|c| {
                     save_state(
                         c,
@@ -516,31 +619,20 @@ fn record(
             retry_after,
             reason,
         } => {
-            // The endpoint, not an event: back off, never bisect or dead-letter on this alone.
-            let attempts = sink.state.attempts.saturating_add(1);
+            // The endpoint, not an event: back off on a counter of its own, never bisect or
+            // dead-letter on this alone. The same window goes again (same idempotency key).
+            let transient = sink.transient.saturating_add(1);
             let delay = retry_after
                 .unwrap_or_default()
-                .max(policy.backoff(attempts));
-            let down = attempts >= policy.poison_after;
-            pgrx::warning!("pg_outbox: http sink \"{}\" failed (attempt {attempts}), retrying in {delay:?}: {reason}", sink.id);
-            let state = SinkState {
-                batch: sink.state.batch,
-                attempts,
-            };
+                .max(policy.backoff(transient));
+            let down = transient >= policy.poison_after;
+            pgrx::warning!(
+                "pg_outbox: http sink \"{}\" could not deliver (attempt {transient}), retrying in {delay:?}: {reason}",
+                sink.id
+            );
             in_transaction(|| {
-                Spi::connect_mut(|c| {
-                    save_state(
-                        c,
-                        &sink.id,
-                        state,
-                        Some(delay),
-                        down,
-                        Some(&failure(&reason)),
-                        0,
-                    )
-                })
-            })?
-            .map_err(|e| failure(&e.to_string()))?;
+                transient_failure(&sink.id, transient, window.count, delay, down, &reason)
+            })?;
             Ok(PassResult::Failed)
         }
         Outcome::Rejected { reason } => match policy.after_failure(sink.state, window.count as u32)
@@ -599,19 +691,25 @@ fn neighbour_test(
     // The neighbour: the first matching event within one batch after the lone one.
     let window = in_transaction(|| {
         Spi::connect(|c| {
-            let mut w = read_window(c, &sink.id, lone, sink.max_batch)?;
-            if w.matching == 0 {
+            // The window ends at the first event the sink's topics match.
+            let span = c.select(
+                "SELECT r.n FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
+                      AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
+                   JOIN outbox.sinks s ON s.id = $4 \
+                  WHERE s.topic_regex IS NULL OR r.topic ~ s.topic_regex ORDER BY r.n LIMIT 1",
+                Some(1),
+                &[
+                    DatumWithOid::from(lone.txid.to_string()),
+                    DatumWithOid::from(lone.seq),
+                    DatumWithOid::from(sink.max_batch as i32),
+                    DatumWithOid::from(sink.id.as_str()),
+                ],
+            )?;
+            if span.is_empty() {
                 return Ok(None);
             }
-            // Narrow the window to end at the first match.
-            let mut span = 1;
-            loop {
-                w = read_window(c, &sink.id, lone, span)?;
-                if w.matching > 0 {
-                    return Ok::<_, pgrx::spi::Error>(Some(w));
-                }
-                span += 1;
-            }
+            let span = span.first().get_one::<i64>()?.unwrap_or(1) as u32;
+            read_window(c, &sink.id, lone, span).map(Some)
         })
     })?
     .map_err(|e| failure(&e.to_string()))?;
@@ -644,7 +742,7 @@ fn neighbour_test(
                     ],
                 )
                 .expect("dead-lettering");
-                cursor::save(&sink.id, neighbour);
+                save_cursor(sink, neighbour);
                 Spi::connect_mut(|c| save_state(c, &sink.id, fresh, None, false, Some(&failure(&reason)), 1))
             })?
             .map_err(|e| failure(&e.to_string()))?;

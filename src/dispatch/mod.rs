@@ -339,7 +339,7 @@ pub(crate) fn save_state(
         "UPDATE outbox.sinks SET current_batch = $2, attempts = $3, \
                 next_attempt_at = CASE WHEN $4::int8 IS NULL THEN NULL \
                                        ELSE pg_catalog.now() + $4::int8 * interval '1 millisecond' END, \
-                down = $5, \
+                down = $5, transient = 0, \
                 last_error = coalesce($6, last_error), last_sqlstate = coalesce($7, last_sqlstate), \
                 last_error_at = CASE WHEN $6 IS NULL THEN last_error_at ELSE pg_catalog.now() END, \
                 delivered = delivered + $8, \

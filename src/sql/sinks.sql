@@ -13,6 +13,9 @@ CREATE TABLE outbox.sinks (
     -- Failure policy state (see dispatch/policy in the core crate).
     current_batch     integer     NOT NULL CHECK (current_batch >= 1),
     attempts          integer     NOT NULL DEFAULT 0,
+    -- HTTP sinks: consecutive transient failures (5xx, timeouts), counted apart from attempts so
+    -- that an outage never pushes an event towards the dead letters.
+    transient         integer     NOT NULL DEFAULT 0,
     next_attempt_at   timestamptz,
     down              boolean     NOT NULL DEFAULT false,
     paused            boolean     NOT NULL DEFAULT false,
@@ -40,7 +43,7 @@ CREATE TABLE outbox.http_sinks (
 -- are NULL are left out (CloudEvents' rule); position and tenant are extension attributes.
 CREATE FUNCTION outbox._cloudevent(e outbox.event) RETURNS jsonb
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT jsonb_build_object('specversion', '1.0', 'id', e.id, 'source', '/pg_outbox/' || current_database(),
+    SELECT jsonb_build_object('specversion', '1.0', 'id', e.id, 'source', '/pg_outbox/' || regexp_replace(current_database(), '[^A-Za-z0-9._~-]', '_', 'g'),
                               'type', e.topic, 'time', e.raised_at, 'datacontenttype', 'application/json',
                               'data', e.payload, 'position', e.position)
            || CASE WHEN e.subject IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('subject', e.subject) END

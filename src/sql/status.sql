@@ -25,7 +25,7 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
                 WHEN b.n > 0 THEN 'behind'
                 WHEN waiting.n > 0 THEN 'held by horizon'
                 ELSE 'idle' END,
-           s.next_attempt_at, s.attempts, s.current_batch, s.last_error, s.last_sqlstate,
+           s.next_attempt_at, greatest(s.attempts, s.transient), s.current_batch, s.last_error, s.last_sqlstate,
            (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = c.name)
       FROM outbox.consumers c
       LEFT JOIN outbox.sinks s ON s.id = c.name

@@ -46,6 +46,8 @@ struct Worker {
     contention_backoff: Duration,
     /// HTTP clients by sink, kept for keep-alive connections.
     agents: dispatch::http::Agents,
+    /// SIGTERM was seen. pgrx's flag resets when read, so it is kept here.
+    stop: bool,
 }
 
 #[pg_guard]
@@ -64,6 +66,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         waiting_backoff: Duration::ZERO,
         contention_backoff: Duration::ZERO,
         agents: Default::default(),
+        stop: false,
     };
     worker.run();
     slot_stopped(slot);
@@ -79,7 +82,7 @@ impl Worker {
             self.database
         );
         loop {
-            if BackgroundWorker::sigterm_received() {
+            if self.stopping() {
                 return;
             }
             if BackgroundWorker::sighup_received() {
@@ -152,8 +155,8 @@ impl Worker {
         let mut in_flight = Vec::new();
         let mut results = Vec::new();
         for (sink, is_http) in sinks.due {
-            if BackgroundWorker::sigterm_received() {
-                return Duration::ZERO;
+            if self.stopping() {
+                break;
             }
             let result = if is_http {
                 match dispatch::http::start(&sink, &mut self.agents) {
@@ -169,10 +172,23 @@ impl Worker {
             };
             results.push((sink, result));
         }
-        // The HTTP requests flew while the SQL sinks were served; now record them.
-        for flight in in_flight {
-            let sink = flight.sink_id().to_string();
-            results.push((sink, dispatch::http::finish(*flight, &mut self.agents)));
+        // The HTTP requests flew while the SQL sinks were served; record each as it completes, so a
+        // slow endpoint does not hold up the others' results. Stopping: give the leases back.
+        while !in_flight.is_empty() {
+            if self.stopping() {
+                in_flight
+                    .drain(..)
+                    .for_each(|f| dispatch::http::abandon(*f));
+                break;
+            }
+            match in_flight.iter().position(|f| f.is_finished()) {
+                Some(i) => {
+                    let flight = in_flight.swap_remove(i);
+                    let sink = flight.sink_id().to_string();
+                    results.push((sink, dispatch::http::finish(*flight, &mut self.agents)));
+                }
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
         }
         for (sink, result) in results {
             match result {
@@ -220,6 +236,12 @@ impl Worker {
                 sleep
             }
         }
+    }
+
+    /// True once SIGTERM has arrived (and from then on).
+    fn stopping(&mut self) -> bool {
+        self.stop |= BackgroundWorker::sigterm_received();
+        self.stop
     }
 
     fn maybe_prune(&mut self) {

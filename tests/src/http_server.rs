@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex};
 
 #[derive(Debug, Clone)]
 pub struct Received {
+    /// The request target, e.g. "/in".
+    pub path: String,
     /// Header names lower-cased.
     pub headers: HashMap<String, String>,
     pub body: Vec<u8>,
@@ -100,7 +102,13 @@ fn serve(stream: TcpStream, received: Arc<Mutex<Vec<Received>>>, respond: Arc<Re
         if reader.read_exact(&mut body).is_err() {
             return;
         }
+        let path = line
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or_default()
+            .to_string();
         let request = Received {
+            path,
             headers,
             body,
             status: 0,

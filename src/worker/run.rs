@@ -181,13 +181,19 @@ impl Worker {
                     .for_each(|f| dispatch::http::abandon(*f));
                 break;
             }
-            match in_flight.iter().position(|f| f.is_finished()) {
+            // The last one (the usual case) is simply waited for; among several, the first done.
+            let done = if in_flight.len() == 1 {
+                Some(0)
+            } else {
+                in_flight.iter().position(|f| f.is_finished())
+            };
+            match done {
                 Some(i) => {
                     let flight = in_flight.swap_remove(i);
                     let sink = flight.sink_id().to_string();
                     results.push((sink, dispatch::http::finish(*flight, &mut self.agents)));
                 }
-                None => std::thread::sleep(Duration::from_millis(1)),
+                None => std::thread::sleep(Duration::from_micros(200)),
             }
         }
         for (sink, result) in results {

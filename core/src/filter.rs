@@ -1,0 +1,293 @@
+//! CEL predicates over events, for subscriptions.
+//!
+//! A filter is compiled once (parse errors and unknown variables are refused at subscribe time,
+//! with the parser's message) and evaluated per event. JSON numbers reach CEL as `int` when they
+//! are integral and `double` otherwise: handed over as they are, positive integers would be `uint`
+//! and `payload.k % 3 == 0` would fail on every event (`uint % int` has no overload in CEL).
+
+use crate::{Invalid, InvalidKind};
+use cel::objects::{Key, Map};
+use cel::{Context, Program, Value};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The variables a predicate may use.
+pub const VARIABLES: [&str; 6] = [
+    "topic",
+    "subject",
+    "tenant",
+    "payload",
+    "headers",
+    "raised_at",
+];
+
+/// One event as a predicate sees it.
+#[derive(Debug, Clone)]
+pub struct EventFields<'a> {
+    pub topic: &'a str,
+    pub subject: Option<&'a str>,
+    pub tenant: Option<&'a str>,
+    pub payload: &'a serde_json::Value,
+    pub headers: &'a serde_json::Value,
+    /// RFC 3339 text, e.g. `2026-11-30T10:00:00.123456+00:00`.
+    pub raised_at: &'a str,
+}
+
+pub struct Filter {
+    program: Program,
+    source: String,
+}
+
+impl std::fmt::Debug for Filter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Filter({:?})", self.source)
+    }
+}
+
+/// Variables that comprehension macros bind (`exists(x, ...)`): they are not free variables.
+fn bound_by_macros(source: &str) -> Vec<String> {
+    let mut bound = Vec::new();
+    for mac in ["all(", "exists(", "exists_one(", "map(", "filter("] {
+        let mut rest = source;
+        while let Some(i) = rest.find(mac) {
+            rest = &rest[i + mac.len()..];
+            let name: String = rest
+                .trim_start()
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            if !name.is_empty()
+                && rest.trim_start()[name.len()..]
+                    .trim_start()
+                    .starts_with(',')
+            {
+                bound.push(name);
+            }
+        }
+    }
+    bound
+}
+
+impl Filter {
+    pub fn compile(source: &str) -> Result<Filter, Invalid> {
+        if source.trim().is_empty() {
+            return Err(Invalid::new(InvalidKind::Parameter, "filter is empty")
+                .with_hint("pass NULL for a subscription without a filter"));
+        }
+        let program = Program::compile(source)
+            .map_err(|e| Invalid::new(InvalidKind::Parameter, format!("invalid filter: {e}")))?;
+        let bound = bound_by_macros(source);
+        let references = program.references();
+        let mut unknown: Vec<&str> = references
+            .variables()
+            .into_iter()
+            .filter(|v| !VARIABLES.contains(v) && !bound.iter().any(|b| b == v))
+            .collect();
+        unknown.sort_unstable();
+        if !unknown.is_empty() {
+            return Err(Invalid::new(
+                InvalidKind::Parameter,
+                format!("invalid filter: unknown variable {}", unknown.join(", ")),
+            )
+            .with_hint(format!("a filter may use {}", VARIABLES.join(", "))));
+        }
+        Ok(Filter {
+            program,
+            source: source.to_string(),
+        })
+    }
+
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the event matches. An error (a missing field, a type mismatch, a result that is
+    /// not a boolean) is returned as text: the caller counts it as no match and records it.
+    pub fn matches(&self, event: &EventFields<'_>) -> Result<bool, String> {
+        self.matches_in(&EventContext::new(event))
+    }
+
+    /// The same, in a context built once per event and shared by every subscription's filter.
+    pub fn matches_in(&self, event: &EventContext<'_>) -> Result<bool, String> {
+        match self.program.execute(&event.0) {
+            Ok(Value::Bool(b)) => Ok(b),
+            Ok(other) => Err(format!("the filter gave {other:?}, not a boolean")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+thread_local! {
+    static ENV: Arc<cel::Env> = Arc::new(cel::Env::stdlib());
+}
+
+/// An event's variables, converted once for every filter that looks at it.
+pub struct EventContext<'a>(Context<'a, 'a>);
+
+impl EventContext<'_> {
+    pub fn new(event: &EventFields<'_>) -> EventContext<'static> {
+        // Env::stdlib() is built once per thread: Context::default() would build it per event,
+        // which cost 18 µs of the 19 an event took.
+        let mut context = Context::with_env(ENV.with(Arc::clone));
+        let text =
+            |s: Option<&str>| s.map_or(Value::Null, |s| Value::String(Arc::new(s.to_string())));
+        context.add_variable_from_value("topic", text(Some(event.topic)));
+        context.add_variable_from_value("subject", text(event.subject));
+        context.add_variable_from_value("tenant", text(event.tenant));
+        context.add_variable_from_value("payload", json_to_cel(event.payload));
+        context.add_variable_from_value("headers", json_to_cel(event.headers));
+        context.add_variable_from_value("raised_at", text(Some(event.raised_at)));
+        EventContext(context)
+    }
+}
+
+/// A JSON value as CEL sees it: integral numbers as `int`, others as `double`.
+pub fn json_to_cel(v: &serde_json::Value) -> Value {
+    use serde_json::Value as J;
+    match v {
+        J::Null => Value::Null,
+        J::Bool(b) => Value::Bool(*b),
+        J::Number(n) => match n.as_i64() {
+            Some(i) => Value::Int(i),
+            None => Value::Float(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        J::String(s) => Value::String(Arc::new(s.clone())),
+        J::Array(a) => Value::List(Arc::new(a.iter().map(json_to_cel).collect())),
+        J::Object(o) => {
+            let map: HashMap<Key, Value> = o
+                .iter()
+                .map(|(k, v)| (Key::String(Arc::new(k.clone())), json_to_cel(v)))
+                .collect();
+            Value::Map(Map::from(map))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn event<'a>(payload: &'a serde_json::Value, tenant: Option<&'a str>) -> EventFields<'a> {
+        static EMPTY: std::sync::OnceLock<serde_json::Value> = std::sync::OnceLock::new();
+        EventFields {
+            topic: "order.placed",
+            subject: Some("order/42"),
+            tenant,
+            payload,
+            headers: EMPTY.get_or_init(|| json!({"trace": "abc"})),
+            raised_at: "2026-11-30T10:00:00+00:00",
+        }
+    }
+
+    fn check(
+        source: &str,
+        payload: serde_json::Value,
+        tenant: Option<&str>,
+    ) -> Result<bool, String> {
+        Filter::compile(source)
+            .unwrap()
+            .matches(&event(&payload, tenant))
+    }
+
+    #[test]
+    fn predicates_over_the_event() {
+        assert_eq!(
+            check(
+                r#"payload.amount > 100 && tenant == "acme""#,
+                json!({"amount": 150}),
+                Some("acme")
+            ),
+            Ok(true)
+        );
+        assert_eq!(
+            check(
+                r#"payload.amount > 100 && tenant == "acme""#,
+                json!({"amount": 50}),
+                Some("acme")
+            ),
+            Ok(false)
+        );
+        assert_eq!(
+            check(
+                r#"payload.amount > 100 && tenant == "acme""#,
+                json!({"amount": 150}),
+                Some("other")
+            ),
+            Ok(false)
+        );
+        assert_eq!(
+            check("payload.amount > 99.5", json!({"amount": 100}), None),
+            Ok(true)
+        );
+        assert_eq!(
+            check("payload.amount > 99.5", json!({"amount": 99.25}), None),
+            Ok(false)
+        );
+        assert_eq!(
+            check("payload.k % 3 == 0", json!({"k": 9}), None),
+            Ok(true),
+            "JSON integers are ints"
+        );
+        assert_eq!(
+            check("payload.k % 3 == 0", json!({"k": 10}), None),
+            Ok(false)
+        );
+        assert_eq!(
+            check(
+                r#"topic.startsWith("order.") && subject == "order/42""#,
+                json!({}),
+                None
+            ),
+            Ok(true)
+        );
+        assert_eq!(check("tenant == null", json!({}), None), Ok(true));
+        assert_eq!(
+            check(r#"headers.trace == "abc""#, json!({}), None),
+            Ok(true)
+        );
+        assert_eq!(
+            check(
+                "payload.items.exists(i, i > 2)",
+                json!({"items": [1, 3]}),
+                None
+            ),
+            Ok(true)
+        );
+        assert_eq!(check("has(payload.x)", json!({"y": 1}), None), Ok(false));
+        assert_eq!(
+            check(r#"raised_at > "2026-01-01""#, json!({}), None),
+            Ok(true)
+        );
+    }
+
+    #[test]
+    fn runtime_errors_are_errors_not_matches() {
+        assert!(check("payload.missing > 1", json!({}), None).is_err());
+        assert!(check("payload.amount", json!({"amount": 1}), None)
+            .unwrap_err()
+            .contains("not a boolean"));
+        assert!(check(r#"payload.amount > "x""#, json!({"amount": 1}), None).is_err());
+    }
+
+    #[test]
+    fn bad_filters_are_refused_at_compile_time() {
+        for bad in ["payload.amount >", "(", "", "   "] {
+            assert_eq!(
+                Filter::compile(bad).unwrap_err().kind,
+                InvalidKind::Parameter,
+                "{bad:?}"
+            );
+        }
+        let e = Filter::compile("amount > 100").unwrap_err();
+        assert!(
+            e.message.contains("unknown variable amount"),
+            "{}",
+            e.message
+        );
+        let e = Filter::compile("payload.a > 1 && user == 'x' && zz").unwrap_err();
+        assert!(e.message.contains("user, zz"), "{}", e.message);
+        Filter::compile("payload.items.all(x, x > 0) && payload.tags.exists(t, t == 'vip')")
+            .unwrap();
+    }
+}

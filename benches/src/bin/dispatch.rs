@@ -5,6 +5,7 @@
 //! Run through `bash benches/dispatch.sh` (builds and installs the release build first).
 //! BENCH_EVENTS (default 200000) sets the drain size, BENCH_SECONDS (default 10) each latency run.
 
+use pg_outbox_benches::{env_or, head, raise_load, Latency};
 use pg_outbox_tests::{eventually, Cluster};
 use postgres::Client;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -17,28 +18,8 @@ const SETUP: &str = "
         INSERT INTO public.ledger (k, pos) SELECT (e.payload->>'k')::bigint, e.position FROM unnest(events) e
     $$;";
 
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn micros_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as i64
-}
-
-/// The last position in the log.
-fn head(c: &mut Client) -> String {
-    c.query_one(
-        "SELECT txid::text || ':' || seq FROM outbox.events ORDER BY txid DESC, seq DESC LIMIT 1",
-        &[],
-    )
-    .unwrap()
-    .get(0)
+fn micros(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
 }
 
 /// Waits until the sink's cursor reaches `position`.
@@ -99,14 +80,6 @@ fn drain(c: &mut Client, batch: i32, n: i64) -> f64 {
     n as f64 / elapsed
 }
 
-struct Latency {
-    rate: f64,
-    p50: f64,
-    p95: f64,
-    p99: f64,
-    max: f64,
-}
-
 /// Commit-to-handler latency with `clients` connections raising one event per transaction for
 /// `seconds`, each at `per_client_rate` events/s (None: as fast as it can).
 fn latency(
@@ -118,40 +91,7 @@ fn latency(
 ) -> Latency {
     let sink = "latency";
     new_sink(c, sink, 128);
-    let started = Instant::now();
-    let threads: Vec<_> = (0..clients)
-        .map(|t| {
-            let mut client = cluster.connect("bench", "postgres");
-            std::thread::spawn(move || {
-                let stmt = client
-                    .prepare(
-                        "SELECT outbox.raise('bench.latency', jsonb_build_object('k', $1::int8))",
-                    )
-                    .unwrap();
-                let mut commits = Vec::new();
-                let mut i = 0i64;
-                while started.elapsed() < Duration::from_secs(seconds) {
-                    if let Some(rate) = per_client_rate {
-                        let due = Duration::from_secs_f64(i as f64 / rate);
-                        if let Some(wait) = due.checked_sub(started.elapsed()) {
-                            std::thread::sleep(wait);
-                        }
-                    }
-                    let k = t as i64 * 1_000_000_000 + i;
-                    client.execute(&stmt, &[&k]).unwrap();
-                    // The call returned: the transaction has committed.
-                    commits.push((k, micros_now()));
-                    i += 1;
-                }
-                commits
-            })
-        })
-        .collect();
-    let commits: Vec<(i64, i64)> = threads
-        .into_iter()
-        .flat_map(|t| t.join().unwrap())
-        .collect();
-    let elapsed = started.elapsed().as_secs_f64();
+    let (commits, rate) = raise_load(cluster, clients, per_client_rate, seconds);
     let last = head(c);
     wait_for_cursor(c, sink, &last, Duration::from_secs(120));
     let delivered: std::collections::HashMap<i64, i64> = c
@@ -164,20 +104,12 @@ fn latency(
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert_eq!(delivered.len(), commits.len(), "every event delivered once");
-    let mut ms: Vec<f64> = commits
+    let ms = commits
         .iter()
-        .map(|(k, at)| (delivered[k] - at) as f64 / 1000.0)
+        .map(|(k, at)| (delivered[k] - micros(*at)) as f64 / 1000.0)
         .collect();
-    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let pct = |p: f64| ms[((ms.len() as f64 * p) as usize).min(ms.len() - 1)];
     c.execute("SELECT outbox.drop_sink($1)", &[&sink]).unwrap();
-    Latency {
-        rate: commits.len() as f64 / elapsed,
-        p50: pct(0.50),
-        p95: pct(0.95),
-        p99: pct(0.99),
-        max: *ms.last().unwrap(),
-    }
+    pg_outbox_benches::latency(rate, ms)
 }
 
 fn main() {

@@ -5,26 +5,11 @@
 //! Run through `bash benches/http.sh`. BENCH_EVENTS (default 50000) sets the drain size,
 //! BENCH_SECONDS (default 10) the latency run.
 
+use pg_outbox_benches::{env_or, head, ms_between, raise_load, Latency};
 use pg_outbox_tests::http_server::Receiver;
 use pg_outbox_tests::{eventually, Cluster};
 use postgres::Client;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn head(c: &mut Client) -> String {
-    c.query_one(
-        "SELECT txid::text || ':' || seq FROM outbox.events ORDER BY txid DESC, seq DESC LIMIT 1",
-        &[],
-    )
-    .unwrap()
-    .get(0)
-}
+use std::time::{Duration, Instant};
 
 fn caught_up(c: &mut Client, sinks: &[String], position: &str) -> bool {
     let (txid, seq) = position.split_once(':').unwrap();
@@ -76,44 +61,14 @@ fn drain(c: &mut Client, rx: &Receiver, sinks: usize, batch: i32, n: i64) -> f64
     rate
 }
 
-fn latency(cluster: &Cluster, c: &mut Client, rx: &Receiver, seconds: u64) -> (f64, f64, f64, f64) {
+fn latency(cluster: &Cluster, c: &mut Client, rx: &Receiver, seconds: u64) -> Latency {
     c.execute(
         "SELECT outbox.create_http_sink('lat', $1, start_at => 'now')",
         &[&rx.url("/lat")],
     )
     .unwrap();
     let before = rx.received().len();
-    let started = Instant::now();
-    let threads: Vec<_> = (0..4)
-        .map(|t| {
-            let mut client = cluster.connect("bench", "postgres");
-            std::thread::spawn(move || {
-                let stmt = client
-                    .prepare(
-                        "SELECT outbox.raise('bench.latency', jsonb_build_object('k', $1::int8))",
-                    )
-                    .unwrap();
-                let mut commits = Vec::new();
-                let mut i = 0i64;
-                while started.elapsed() < Duration::from_secs(seconds) {
-                    let due = Duration::from_secs_f64(i as f64 / 125.0);
-                    if let Some(wait) = due.checked_sub(started.elapsed()) {
-                        std::thread::sleep(wait);
-                    }
-                    let k = t as i64 * 1_000_000_000 + i;
-                    client.execute(&stmt, &[&k]).unwrap();
-                    commits.push((k, SystemTime::now()));
-                    i += 1;
-                }
-                commits
-            })
-        })
-        .collect();
-    let commits: Vec<(i64, SystemTime)> = threads
-        .into_iter()
-        .flat_map(|t| t.join().unwrap())
-        .collect();
-    let rate = commits.len() as f64 / started.elapsed().as_secs_f64();
+    let (commits, rate) = raise_load(cluster, 4, Some(125.0), seconds);
     let last = head(c);
     eventually(
         "the latency sink to catch up",
@@ -133,17 +88,12 @@ fn latency(cluster: &Cluster, c: &mut Client, rx: &Receiver, seconds: u64) -> (f
                 .or_insert(q.at);
         }
     }
-    let mut ms: Vec<f64> = commits
+    let ms = commits
         .iter()
-        .map(|(k, at)| {
-            arrived[k].duration_since(UNIX_EPOCH).unwrap().as_secs_f64() * 1000.0
-                - at.duration_since(UNIX_EPOCH).unwrap().as_secs_f64() * 1000.0
-        })
+        .map(|(k, at)| ms_between(*at, arrived[k]))
         .collect();
-    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let pct = |p: f64| ms[((ms.len() as f64 * p) as usize).min(ms.len() - 1)];
     c.execute("SELECT outbox.drop_sink('lat')", &[]).unwrap();
-    (rate, pct(0.5), pct(0.99), *ms.last().unwrap())
+    pg_outbox_benches::latency(rate, ms)
 }
 
 fn main() {
@@ -186,7 +136,13 @@ fn main() {
                 rate
             );
         }
-        let (rate, p50, p99, max) = latency(&cluster, &mut c, &rx, seconds);
+        let Latency {
+            rate,
+            p50,
+            p99,
+            max,
+            ..
+        } = latency(&cluster, &mut c, &rx, seconds);
         println!(
             "\n{:<40} {:>10} {:>8} {:>8} {:>8}",
             "commit-to-request latency (ms)", "events/s", "p50", "p99", "max"

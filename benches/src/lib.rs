@@ -1,0 +1,99 @@
+//! What the benchmark binaries share: settings from the environment, the head of the log, a
+//! load of clients raising one event per transaction, and latency percentiles.
+
+use pg_outbox_tests::Cluster;
+use postgres::Client;
+use std::time::{Duration, Instant, SystemTime};
+
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The last position in the log.
+pub fn head(c: &mut Client) -> String {
+    c.query_one(
+        "SELECT txid::text || ':' || seq FROM outbox.events ORDER BY txid DESC, seq DESC LIMIT 1",
+        &[],
+    )
+    .unwrap()
+    .get(0)
+}
+
+/// `clients` connections to database `bench` each raise one event per transaction for `seconds`,
+/// at `per_client_rate` events/s (None: as fast as they can). The payload is `{"k": <unique>}`.
+/// Returns each event's key with the time its commit returned, and the events per second.
+pub fn raise_load(
+    cluster: &Cluster,
+    clients: usize,
+    per_client_rate: Option<f64>,
+    seconds: u64,
+) -> (Vec<(i64, SystemTime)>, f64) {
+    let started = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|t| {
+            let mut client = cluster.connect("bench", "postgres");
+            std::thread::spawn(move || {
+                let stmt = client
+                    .prepare(
+                        "SELECT outbox.raise('bench.latency', jsonb_build_object('k', $1::int8))",
+                    )
+                    .unwrap();
+                let mut commits = Vec::new();
+                let mut i = 0i64;
+                while started.elapsed() < Duration::from_secs(seconds) {
+                    if let Some(rate) = per_client_rate {
+                        let due = Duration::from_secs_f64(i as f64 / rate);
+                        if let Some(wait) = due.checked_sub(started.elapsed()) {
+                            std::thread::sleep(wait);
+                        }
+                    }
+                    let k = t as i64 * 1_000_000_000 + i;
+                    client.execute(&stmt, &[&k]).unwrap();
+                    // The call returned: the transaction has committed.
+                    commits.push((k, SystemTime::now()));
+                    i += 1;
+                }
+                commits
+            })
+        })
+        .collect();
+    let commits: Vec<(i64, SystemTime)> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    let rate = commits.len() as f64 / started.elapsed().as_secs_f64();
+    (commits, rate)
+}
+
+pub struct Latency {
+    pub rate: f64,
+    pub p50: f64,
+    pub p95: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+/// Percentiles of latencies in milliseconds.
+pub fn latency(rate: f64, mut ms: Vec<f64>) -> Latency {
+    assert!(!ms.is_empty(), "no latencies measured");
+    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let pct = |p: f64| ms[((ms.len() as f64 * p) as usize).min(ms.len() - 1)];
+    Latency {
+        rate,
+        p50: pct(0.50),
+        p95: pct(0.95),
+        p99: pct(0.99),
+        max: *ms.last().unwrap(),
+    }
+}
+
+/// Milliseconds from `from` to `to`.
+pub fn ms_between(from: SystemTime, to: SystemTime) -> f64 {
+    match to.duration_since(from) {
+        Ok(d) => d.as_secs_f64() * 1000.0,
+        Err(e) => -e.duration().as_secs_f64() * 1000.0,
+    }
+}

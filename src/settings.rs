@@ -49,6 +49,11 @@ pub static HTTP_ALLOW_PLAIN: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// network (and its metadata service) through the worker.
 pub static HTTP_ALLOW_PRIVATE: GucSetting<bool> = GucSetting::<bool>::new(false);
 
+/// Hosts HTTP sinks may reach: comma-separated names or `*.suffix` patterns; empty: any host
+/// the address rules allow. Superuser only.
+pub static HTTP_ALLOWED_HOSTS: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c""));
+
 /// Connecting to an HTTP sink may take this long before the attempt counts as a transient failure.
 pub static HTTP_CONNECT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(3_000);
 
@@ -171,6 +176,14 @@ pub fn init(preloading: bool) {
         GucContext::Suset,
         GucFlags::default(),
     );
+    GucRegistry::define_string_guc(
+        c"pg_outbox.http_allowed_hosts",
+        c"Hosts HTTP sinks may reach (comma-separated names or *.suffix patterns; empty: any).",
+        c"",
+        &HTTP_ALLOWED_HOSTS,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
     GucRegistry::define_int_guc(
         c"pg_outbox.http_connect_timeout",
         c"Longest an HTTP sink's connection attempt may take.",
@@ -224,6 +237,14 @@ pub fn ms(setting: &GucSetting<i32>) -> Duration {
 
 pub fn secs(setting: &GucSetting<i32>) -> Duration {
     Duration::from_secs(setting.get().max(0) as u64)
+}
+
+/// The host allowlist as configured now ("" allows every host).
+pub fn http_allowed_hosts() -> String {
+    HTTP_ALLOWED_HOSTS
+        .get()
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// The destination rules as configured now.

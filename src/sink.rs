@@ -148,6 +148,7 @@ fn create_http_sink(
     names::validate("sink", id).or_report();
     let url = required(url, "url").or_report();
     let destination = http::Destination::parse(url, settings::http_allow()).or_report();
+    http::check_host(&destination.url, &settings::http_allowed_hosts()).or_report();
     let headers = match headers.map(|h| h.0) {
         None => serde_json::Map::new(),
         Some(serde_json::Value::Object(map)) => map,

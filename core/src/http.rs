@@ -125,6 +125,38 @@ pub fn check_address(ip: IpAddr, allow: Allow) -> Result<(), Invalid> {
     Ok(())
 }
 
+/// Whether `host` is on an allowlist of comma-separated names, each a host (`hooks.example.com`)
+/// or a suffix pattern (`*.example.com`, which does not match `example.com` itself). An empty
+/// list allows every host. Case-insensitive.
+pub fn host_allowed(host: &str, allowlist: &str) -> bool {
+    let host = host.trim_end_matches('.').to_ascii_lowercase();
+    let mut entries = allowlist
+        .split(',')
+        .map(|e| e.trim().to_ascii_lowercase())
+        .filter(|e| !e.is_empty())
+        .peekable();
+    if entries.peek().is_none() {
+        return true;
+    }
+    entries.any(|e| match e.strip_prefix("*.") {
+        Some(suffix) => host.len() > suffix.len() + 1 && host.ends_with(&format!(".{suffix}")),
+        None => host == e,
+    })
+}
+
+/// Refuses a destination whose host is not on the allowlist.
+pub fn check_host(url: &url::Url, allowlist: &str) -> Result<(), Invalid> {
+    let host = url.host_str().unwrap_or_default();
+    if host_allowed(host, allowlist) {
+        Ok(())
+    } else {
+        Err(refuse(format!(
+            "host \"{host}\" is not in pg_outbox.http_allowed_hosts"
+        ))
+        .with_hint("a superuser sets the hosts HTTP sinks may reach"))
+    }
+}
+
 /// Headers the worker sets itself, so a sink's extra headers may not.
 const RESERVED_HEADERS: &[&str] = &[
     "host",
@@ -367,6 +399,23 @@ mod tests {
             batch_key("s", &ids(&["1", "2"]))
         );
         assert!(a.starts_with("msg_") && a.len() == 36);
+    }
+
+    #[test]
+    fn allowlists() {
+        assert!(host_allowed("anything.example", ""));
+        assert!(host_allowed("anything.example", " , "));
+        let list = "hooks.example.com, *.corp.example";
+        assert!(host_allowed("hooks.example.com", list));
+        assert!(host_allowed("HOOKS.example.com.", list));
+        assert!(host_allowed("a.b.corp.example", list));
+        assert!(
+            !host_allowed("corp.example", list),
+            "a suffix pattern needs a subdomain"
+        );
+        assert!(!host_allowed("evilcorp.example", list));
+        assert!(!host_allowed("hooks.example.com.evil.net", list));
+        assert!(!host_allowed("127.0.0.1", list));
     }
 
     #[test]

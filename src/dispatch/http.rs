@@ -499,7 +499,17 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
         return Ok(Started::Done(PassResult::Delivered { events: 0, full }));
     }
     let max_response = settings::HTTP_MAX_RESPONSE_BYTES.get().max(0) as u64;
-    let handle = spawn(agents.get(&sink), request(&sink, &window), max_response);
+    // The allowlist may have changed since the sink was created.
+    let allowed = url::Url::parse(&sink.url)
+        .map_err(|e| e.to_string())
+        .and_then(|u| http::check_host(&u, &settings::http_allowed_hosts()).map_err(|e| e.message));
+    let handle = match allowed {
+        Ok(()) => spawn(agents.get(&sink), request(&sink, &window), max_response),
+        Err(why) => std::thread::spawn(move || Outcome::Transient {
+            retry_after: None,
+            reason: why,
+        }),
+    };
     Ok(Started::InFlight(Box::new(InFlight {
         sink,
         window,

@@ -566,3 +566,50 @@ fn a_host_that_resolves_to_an_internal_address_is_refused_at_delivery() {
     );
     db.cluster().set("pg_outbox.http_allow_plain", "off");
 }
+
+#[test]
+fn the_host_allowlist_is_enforced_at_creation_and_at_delivery() {
+    let (db, mut c) = setup("http_allowlist");
+    struct Reset<'a>(&'a TestDb);
+    impl Drop for Reset<'_> {
+        fn drop(&mut self) {
+            self.0.cluster().set("pg_outbox.http_allowed_hosts", "");
+        }
+    }
+    let _reset = Reset(&db);
+    let rx = Receiver::start(|_, _| (200, vec![]));
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1)",
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+    db.cluster().set(
+        "pg_outbox.http_allowed_hosts",
+        "hooks.example.com, *.corp.example",
+    );
+    for url in [
+        "https://other.example.com/in",
+        "https://corp.example/in",
+        &rx.url("/in"),
+    ] {
+        let sql = format!("SELECT outbox.create_http_sink('new', '{url}')");
+        assert_eq!(sqlstate(&mut c, &sql), "22023", "{url}");
+    }
+    // Delivery checks again: the existing sink's host is no longer allowed.
+    c.batch_execute("SELECT outbox.raise('t.x')").unwrap();
+    eventually(
+        "the refusal to be recorded",
+        Duration::from_secs(20),
+        || {
+            let e: Option<String> = c
+                .query_one(
+                    "SELECT last_error FROM outbox.status() WHERE name = 'hook'",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            e.filter(|e| e.contains("http_allowed_hosts")).map(|_| ())
+        },
+    );
+    assert!(rx.received().is_empty());
+}

@@ -30,6 +30,7 @@ pgrx::pg_module_magic!();
 pgrx::extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
 pgrx::extension_sql_file!("sql/sinks.sql", name = "sinks", requires = ["schema"]);
 pgrx::extension_sql_file!("sql/status.sql", name = "status", requires = ["sinks"]);
+pgrx::extension_sql_file!("sql/jobs.sql", name = "jobs", requires = ["schema"]);
 
 // Last: nothing is usable by PUBLIC until a DBA grants it (see the README's "Privileges").
 pgrx::extension_sql_file!("sql/privileges.sql", name = "privileges", finalize);

@@ -1,0 +1,166 @@
+-- Jobs: units of work with their own retries. Queued by outbox.enqueue() (and, next, by
+-- subscriptions); external workers in any language claim them with outbox.claim() (FOR UPDATE
+-- SKIP LOCKED), then complete or fail them. Finished jobs are deleted: the table stays small.
+CREATE TABLE outbox.jobs (
+    id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    queue        text        NOT NULL,
+    payload      jsonb       NOT NULL DEFAULT '{}' CHECK (pg_catalog.jsonb_typeof(payload) = 'object'),
+    key          text,
+    run_at       timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    attempts     integer     NOT NULL DEFAULT 0,
+    max_attempts integer     NOT NULL DEFAULT 10 CHECK (max_attempts BETWEEN 1 AND 1000),
+    -- 'waiting' to be claimed (from run_at), 'running' under a lease, 'dead' out of attempts or
+    -- failed for good: kept, never claimed, until outbox.replay_job().
+    state        text        NOT NULL DEFAULT 'waiting' CHECK (state IN ('waiting', 'running', 'dead')),
+    lease_until  timestamptz,
+    last_error   text,
+    created_at   timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+-- The claim path: per queue, in run_at order, dead jobs left out.
+CREATE INDEX jobs_claim ON outbox.jobs (queue, run_at, id) WHERE state <> 'dead';
+-- A key is queued once while it waits.
+CREATE UNIQUE INDEX jobs_waiting_key ON outbox.jobs (queue, key) WHERE key IS NOT NULL AND state = 'waiting';
+
+CREATE TYPE outbox.job AS (
+    id bigint, queue text, payload jsonb, key text, attempts integer, max_attempts integer,
+    lease_until timestamptz, created_at timestamptz
+);
+
+CREATE FUNCTION outbox._check_queue(queue text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF queue IS NULL THEN
+        RAISE EXCEPTION 'queue must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- The same rule as consumer and sink names (pg_outbox_core::name).
+    IF queue !~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$' THEN
+        RAISE EXCEPTION 'invalid queue name "%"', queue USING ERRCODE = 'invalid_name',
+            HINT = 'a queue name is 1 to 63 letters, digits, ''_'', ''-'' or ''.'', starting with a letter or digit';
+    END IF;
+END
+$$;
+
+CREATE FUNCTION outbox.enqueue(queue text, payload jsonb DEFAULT '{}', run_at timestamptz DEFAULT NULL,
+                               key text DEFAULT NULL, max_attempts integer DEFAULT 10)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    job bigint;
+BEGIN
+    PERFORM outbox._check_queue(queue);
+    IF payload IS NOT NULL AND jsonb_typeof(payload) <> 'object' THEN
+        RAISE EXCEPTION 'payload must be a JSON object' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF key = '' OR length(key) > 255 THEN
+        RAISE EXCEPTION 'key must be 1 to 255 characters (NULL for none)' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF max_attempts IS NULL OR max_attempts NOT BETWEEN 1 AND 1000 THEN
+        RAISE EXCEPTION 'max_attempts must be between 1 and 1000' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO outbox.jobs AS j (queue, payload, key, run_at, max_attempts)
+    VALUES (queue, coalesce(payload, '{}'), key, coalesce(run_at, now()), max_attempts)
+    ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' DO NOTHING
+    RETURNING j.id INTO job;
+    IF job IS NULL THEN
+        -- The key is already waiting: that job stands for this one.
+        SELECT j.id INTO job FROM outbox.jobs j WHERE j.queue = enqueue.queue AND j.key = enqueue.key AND j.state = 'waiting';
+    END IF;
+    RETURN job;
+END
+$$;
+
+CREATE FUNCTION outbox.claim(queue text, max_jobs integer DEFAULT 1, lease interval DEFAULT '30 seconds')
+RETURNS SETOF outbox.job
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM outbox._check_queue(queue);
+    IF max_jobs IS NULL OR max_jobs NOT BETWEEN 1 AND 1000 THEN
+        RAISE EXCEPTION 'max_jobs must be between 1 and 1000' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF lease IS NULL OR lease <= '0' OR lease > '1 day' THEN
+        RAISE EXCEPTION 'lease must be positive and at most a day' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- Waiting jobs that are due, and running jobs whose lease lapsed (their worker died).
+    RETURN QUERY
+    WITH c AS (
+        SELECT j.id FROM outbox.jobs j
+         WHERE j.queue = claim.queue AND j.state <> 'dead' AND j.run_at <= now()
+           AND (j.state = 'waiting' OR j.lease_until < now())
+         ORDER BY j.run_at, j.id
+         LIMIT max_jobs
+           FOR UPDATE SKIP LOCKED)
+    UPDATE outbox.jobs j SET state = 'running', lease_until = now() + lease, attempts = j.attempts + 1
+      FROM c WHERE j.id = c.id
+    RETURNING j.id, j.queue, j.payload, j.key, j.attempts, j.max_attempts, j.lease_until, j.created_at;
+END
+$$;
+
+CREATE FUNCTION outbox.complete(job bigint) RETURNS boolean
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF job IS NULL THEN
+        RAISE EXCEPTION 'job must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    DELETE FROM outbox.jobs j WHERE j.id = job AND j.state = 'running';
+    RETURN FOUND;
+END
+$$;
+
+CREATE FUNCTION outbox.fail(job bigint, error text DEFAULT NULL, retry boolean DEFAULT true) RETURNS text
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    j outbox.jobs;
+BEGIN
+    IF job IS NULL OR retry IS NULL THEN
+        RAISE EXCEPTION 'job and retry must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    SELECT * INTO j FROM outbox.jobs WHERE id = job AND state = 'running' FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'job % is not running', job USING ERRCODE = 'object_not_in_prerequisite_state',
+            HINT = 'claim it first; a job whose lease lapsed may have been claimed again';
+    END IF;
+    IF retry AND j.attempts < j.max_attempts THEN
+        -- 1 s doubling, capped at an hour.
+        UPDATE outbox.jobs SET state = 'waiting', lease_until = NULL, last_error = error,
+               run_at = now() + least(interval '1 second' * power(2, least(j.attempts - 1, 20)), interval '1 hour')
+         WHERE id = job;
+        RETURN 'waiting';
+    END IF;
+    UPDATE outbox.jobs SET state = 'dead', lease_until = NULL, last_error = error WHERE id = job;
+    RETURN 'dead';
+END
+$$;
+
+CREATE FUNCTION outbox.extend(job bigint, lease interval DEFAULT '30 seconds') RETURNS boolean
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF job IS NULL OR lease IS NULL OR lease <= '0' OR lease > '1 day' THEN
+        RAISE EXCEPTION 'job must not be NULL, lease positive and at most a day' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    UPDATE outbox.jobs SET lease_until = now() + lease WHERE id = job AND state = 'running';
+    RETURN FOUND;
+END
+$$;
+
+CREATE FUNCTION outbox.replay_job(job bigint) RETURNS void
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF job IS NULL THEN
+        RAISE EXCEPTION 'job must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    UPDATE outbox.jobs SET state = 'waiting', attempts = 0, run_at = now(), lease_until = NULL
+     WHERE id = job AND state = 'dead';
+    IF NOT FOUND THEN
+        IF EXISTS (SELECT 1 FROM outbox.jobs WHERE id = job) THEN
+            RAISE EXCEPTION 'job % is not dead', job USING ERRCODE = 'object_not_in_prerequisite_state';
+        END IF;
+        RAISE EXCEPTION 'job % does not exist', job USING ERRCODE = 'undefined_object';
+    END IF;
+    RAISE LOG 'pg_outbox: job % replayed by role %', job, current_user;
+END
+$$;
+
+CREATE VIEW outbox.dead_jobs AS
+    SELECT id, queue, payload, key, attempts, max_attempts, last_error, created_at
+      FROM outbox.jobs WHERE state = 'dead';

@@ -1,0 +1,275 @@
+//! The job queue for external workers: enqueue, claim with SKIP LOCKED, complete, fail with
+//! retries and death, leases that lapse, replay of dead jobs, and refusals.
+
+use pg_outbox_tests::{eventually, sqlstate, test_db};
+use std::collections::HashSet;
+use std::time::Duration;
+
+#[test]
+fn enqueue_claim_complete_and_keys_queue_once() {
+    let db = test_db("jobs_basic");
+    let mut c = db.connect();
+    let a: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue('mail', '{\"to\": \"a@example.com\"}')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let k1: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue('mail', '{}', key => 'welcome-42')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let k2: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue('mail', '{}', key => 'welcome-42')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(k1, k2, "a key that is already waiting is not queued twice");
+    c.batch_execute("SELECT outbox.enqueue('mail', run_at => now() + interval '1 hour')")
+        .unwrap();
+    let claimed: Vec<i64> = c
+        .query("SELECT id FROM outbox.claim('mail', 10, '1 minute')", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(claimed, [a, k1], "due jobs in order; the future one waits");
+    assert!(
+        c.query("SELECT * FROM outbox.claim('mail', 10)", &[])
+            .unwrap()
+            .is_empty(),
+        "claimed jobs are not claimed again"
+    );
+    let done: bool = c
+        .query_one("SELECT outbox.complete($1)", &[&a])
+        .unwrap()
+        .get(0);
+    assert!(done);
+    let again: bool = c
+        .query_one("SELECT outbox.complete($1)", &[&a])
+        .unwrap()
+        .get(0);
+    assert!(!again, "a finished job is gone");
+    // Once it runs, the key may be queued again.
+    let k3: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue('mail', '{}', key => 'welcome-42')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_ne!(k3, k1);
+}
+
+#[test]
+fn four_workers_claiming_at_once_never_get_the_same_job() {
+    let db = test_db("jobs_concurrent");
+    let mut c = db.connect();
+    c.batch_execute(
+        "SELECT outbox.enqueue('work', jsonb_build_object('i', i)) FROM generate_series(1, 2000) i",
+    )
+    .unwrap();
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let mut c = db.connect();
+            std::thread::spawn(move || {
+                let mut mine = Vec::new();
+                loop {
+                    let ids: Vec<i64> = c
+                        .query("SELECT id FROM outbox.claim('work', 7, '1 minute')", &[])
+                        .unwrap()
+                        .iter()
+                        .map(|r| r.get(0))
+                        .collect();
+                    if ids.is_empty() {
+                        return mine;
+                    }
+                    for id in ids {
+                        let ok: bool = c
+                            .query_one("SELECT outbox.complete($1)", &[&id])
+                            .unwrap()
+                            .get(0);
+                        assert!(ok);
+                        mine.push(id);
+                    }
+                }
+            })
+        })
+        .collect();
+    let all: Vec<i64> = workers
+        .into_iter()
+        .flat_map(|w| w.join().unwrap())
+        .collect();
+    let unique: HashSet<i64> = all.iter().copied().collect();
+    assert_eq!(all.len(), 2000, "every job done");
+    assert_eq!(unique.len(), 2000, "none twice");
+    let left: i64 = c
+        .query_one("SELECT count(*) FROM outbox.jobs", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "finished jobs are deleted");
+}
+
+#[test]
+fn a_lapsed_lease_is_claimed_again_and_extend_keeps_it() {
+    let db = test_db("jobs_lease");
+    let mut c = db.connect();
+    let a: i64 = c
+        .query_one("SELECT outbox.enqueue('q')", &[])
+        .unwrap()
+        .get(0);
+    let b: i64 = c
+        .query_one("SELECT outbox.enqueue('q')", &[])
+        .unwrap()
+        .get(0);
+    c.batch_execute("SELECT * FROM outbox.claim('q', 2, '300 milliseconds')")
+        .unwrap();
+    // b's worker is alive and extends; a's worker died.
+    let extended: bool = c
+        .query_one("SELECT outbox.extend($1, '1 minute')", &[&b])
+        .unwrap()
+        .get(0);
+    assert!(extended);
+    let reclaimed = eventually("a's lease to lapse", Duration::from_secs(10), || {
+        let r = c
+            .query(
+                "SELECT id, attempts FROM outbox.claim('q', 5, '1 minute')",
+                &[],
+            )
+            .unwrap();
+        (!r.is_empty()).then(|| {
+            r.iter()
+                .map(|r| (r.get::<_, i64>(0), r.get::<_, i32>(1)))
+                .collect::<Vec<_>>()
+        })
+    });
+    assert_eq!(
+        reclaimed,
+        [(a, 2)],
+        "only the lapsed one, on its second attempt"
+    );
+}
+
+#[test]
+fn failures_retry_with_back_off_then_die_and_replay() {
+    let db = test_db("jobs_fail");
+    let mut c = db.connect();
+    let j: i64 = c
+        .query_one("SELECT outbox.enqueue('q', max_attempts => 2)", &[])
+        .unwrap()
+        .get(0);
+    c.batch_execute("SELECT * FROM outbox.claim('q')").unwrap();
+    let s: String = c
+        .query_one("SELECT outbox.fail($1, 'smtp timeout')", &[&j])
+        .unwrap()
+        .get(0);
+    assert_eq!(s, "waiting");
+    let delay: f64 = c
+        .query_one(
+            "SELECT extract(epoch FROM run_at - now())::float8 FROM outbox.jobs WHERE id = $1",
+            &[&j],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        (0.5..=1.5).contains(&delay),
+        "first retry after about 1 s, not {delay}"
+    );
+    assert!(
+        c.query("SELECT * FROM outbox.claim('q')", &[])
+            .unwrap()
+            .is_empty(),
+        "not before its time"
+    );
+    eventually("the retry to be due", Duration::from_secs(5), || {
+        (!c.query("SELECT * FROM outbox.claim('q')", &[])
+            .unwrap()
+            .is_empty())
+        .then_some(())
+    });
+    let s: String = c
+        .query_one("SELECT outbox.fail($1, 'smtp timeout again')", &[&j])
+        .unwrap()
+        .get(0);
+    assert_eq!(s, "dead", "out of attempts");
+    let dead: (i64, String) = c
+        .query_one("SELECT id, last_error FROM outbox.dead_jobs", &[])
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(dead, (j, "smtp timeout again".to_string()));
+    assert!(
+        c.query("SELECT * FROM outbox.claim('q')", &[])
+            .unwrap()
+            .is_empty(),
+        "dead jobs are never claimed"
+    );
+    // A failure that cannot pass on retry dies at once.
+    let k: i64 = c
+        .query_one("SELECT outbox.enqueue('q2')", &[])
+        .unwrap()
+        .get(0);
+    c.batch_execute("SELECT * FROM outbox.claim('q2')").unwrap();
+    let s: String = c
+        .query_one(
+            "SELECT outbox.fail($1, 'bad address', retry => false)",
+            &[&k],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(s, "dead");
+    // Replay: attempts reset, claimable again; a job that is not dead is refused.
+    c.execute("SELECT outbox.replay_job($1)", &[&j]).unwrap();
+    let r = c
+        .query_one("SELECT id, attempts FROM outbox.claim('q')", &[])
+        .unwrap();
+    assert_eq!((r.get::<_, i64>(0), r.get::<_, i32>(1)), (j, 1));
+    assert_eq!(
+        sqlstate(&mut c, &format!("SELECT outbox.replay_job({j})")),
+        "55000"
+    );
+    assert_eq!(
+        sqlstate(&mut c, "SELECT outbox.replay_job(999999)"),
+        "42704"
+    );
+}
+
+#[test]
+fn job_functions_refuse_bad_input() {
+    let db = test_db("jobs_refusals");
+    let mut c = db.connect();
+    for (sql, code) in [
+        ("SELECT outbox.enqueue(NULL)", "22004"),
+        ("SELECT outbox.enqueue('')", "42602"),
+        ("SELECT outbox.enqueue('bad queue')", "42602"),
+        (
+            "SELECT outbox.enqueue('q''; drop table outbox.jobs; --')",
+            "42602",
+        ),
+        ("SELECT outbox.enqueue('q', '[1]')", "22023"),
+        ("SELECT outbox.enqueue('q', key => '')", "22023"),
+        ("SELECT outbox.enqueue('q', max_attempts => 0)", "22023"),
+        ("SELECT * FROM outbox.claim('q', 0)", "22023"),
+        ("SELECT * FROM outbox.claim('q', 1001)", "22023"),
+        ("SELECT * FROM outbox.claim('q', 1, '-1 second')", "22023"),
+        ("SELECT * FROM outbox.claim('q', 1, NULL)", "22023"),
+        ("SELECT * FROM outbox.claim(NULL)", "22004"),
+        ("SELECT outbox.complete(NULL)", "22004"),
+        ("SELECT outbox.fail(12345, 'x')", "55000"),
+        ("SELECT outbox.fail(NULL, 'x')", "22004"),
+        ("SELECT outbox.extend(1, '2 days')", "22023"),
+        ("SELECT outbox.replay_job(NULL)", "22004"),
+    ] {
+        assert_eq!(sqlstate(&mut c, sql), code, "{sql}");
+    }
+    let n: i64 = c
+        .query_one("SELECT count(*) FROM outbox.jobs", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0);
+}

@@ -198,6 +198,20 @@ impl Cluster {
             c.batch_execute(&sql)
                 .unwrap_or_else(|e| panic!("{sql}: {}", db_message(&e)));
         }
+        // The reload is asynchronous. Once a new backend sees the value, the postmaster has
+        // reloaded and signalled every existing backend, which rereads before its next command.
+        eventually(
+            &format!("{name} = '{value}' to take effect"),
+            Duration::from_secs(10),
+            || {
+                let shown: Option<String> = self
+                    .connect("postgres", "postgres")
+                    .query_one("SELECT current_setting($1, true)", &[&name])
+                    .unwrap()
+                    .get(0);
+                (shown.as_deref() == Some(value)).then_some(())
+            },
+        );
     }
 
     /// Waits until `pg_outbox.workers` workers are connected to `db` (they move databases when

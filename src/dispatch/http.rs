@@ -372,6 +372,20 @@ fn transient_failure(
     .expect("recording a transient failure");
 }
 
+/// Records a refused batch under the failure policy, in a transaction of its own.
+fn record_failure(
+    sink: &Sink,
+    state: SinkState,
+    delay: Option<Duration>,
+    down: bool,
+    reason: &str,
+) -> Result<(), Failure> {
+    in_transaction(|| {
+        Spi::connect_mut(|c| save_state(c, &sink.id, state, delay, down, Some(&failure(reason)), 0))
+    })?
+    .map_err(|e| failure(&e.to_string()))
+}
+
 fn failure(reason: &str) -> Failure {
     Failure {
         sqlstate: String::new(),
@@ -648,12 +662,7 @@ fn record(
         Outcome::Rejected { reason } => match policy.after_failure(sink.state, window.count as u32)
         {
             AfterFailure::Halve(state) => {
-                in_transaction(|| {
-                    Spi::connect_mut(|c| {
-                        save_state(c, &sink.id, state, None, false, Some(&failure(&reason)), 0)
-                    })
-                })?
-                .map_err(|e| failure(&e.to_string()))?;
+                record_failure(sink, state, None, false, &reason)?;
                 Ok(PassResult::Retry)
             }
             AfterFailure::Retry { state, delay } => {
@@ -662,20 +671,7 @@ fn record(
                     sink.id,
                     state.attempts
                 );
-                in_transaction(|| {
-                    Spi::connect_mut(|c| {
-                        save_state(
-                            c,
-                            &sink.id,
-                            state,
-                            Some(delay),
-                            false,
-                            Some(&failure(&reason)),
-                            0,
-                        )
-                    })
-                })?
-                .map_err(|e| failure(&e.to_string()))?;
+                record_failure(sink, state, Some(delay), false, &reason)?;
                 Ok(PassResult::Failed)
             }
             AfterFailure::TestNeighbour(state) => neighbour_test(sink, state, last, reason, agents),
@@ -772,20 +768,7 @@ fn neighbour_test(
             else {
                 unreachable!()
             };
-            in_transaction(|| {
-                Spi::connect_mut(|c| {
-                    save_state(
-                        c,
-                        &sink.id,
-                        state,
-                        Some(delay),
-                        neighbour_ok.is_some(),
-                        Some(&failure(&reason)),
-                        0,
-                    )
-                })
-            })?
-            .map_err(|e| failure(&e.to_string()))?;
+            record_failure(sink, state, Some(delay), neighbour_ok.is_some(), &reason)?;
             Ok(PassResult::Failed)
         }
     }

@@ -36,6 +36,13 @@ cat <<'TXT'
 == 1. Install the extension (the server was started with shared_preload_libraries = 'pg_outbox')
 TXT
 run -c "CREATE EXTENSION pg_outbox"
+# The workers started before database app existed; wait (10 s at most) until they are connected.
+for _ in $(seq 100); do
+  n=$(cluster_psql "$DIR" "$PORT" -d app -Atc \
+        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker' AND datname = 'app'")
+  [ "$n" -ge 1 ] && break
+  sleep 0.1
+done
 
 cat <<'TXT'
 
@@ -92,7 +99,13 @@ CREATE FUNCTION ship(events outbox.event[]) RETURNS void LANGUAGE sql AS $$
 $$;
 SELECT outbox.create_sink('shipping', 'ship(outbox.event[])', topics => ARRAY['order.shipped']);
 SELECT outbox.raise('order.shipped', '{"order": 44, "carrier": "ups"}');
-SELECT pg_sleep(0.5);
+-- Delivery takes a few milliseconds; wait for it (5 s at most).
+DO $$ BEGIN
+  FOR i IN 1..500 LOOP
+    EXIT WHEN (SELECT count(*) FROM public.shipments) >= 3;
+    PERFORM pg_sleep(0.01);
+  END LOOP;
+END $$;
 SELECT * FROM shipments;
 SELECT name, kind, position, events_behind, state FROM outbox.status();
 SQL

@@ -180,10 +180,15 @@ pub fn wake_at_commit() {
 
 /// Wakes a worker at commit whether or not sinks exist (a sink was created, resumed, replayed).
 pub fn wake_at_commit_always() {
-    if !preloaded() || WAKE_REGISTERED.with(|r| r.get()) {
+    if !preloaded() {
         return;
     }
-    register_wake();
+    // A sink exists from this commit on: commits that raise events wake the workers at once,
+    // without waiting for a worker's round to notice it.
+    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || set_has_sinks(true));
+    if !WAKE_REGISTERED.with(|r| r.get()) {
+        register_wake();
+    }
 }
 
 fn register_wake() {

@@ -33,6 +33,7 @@ pub enum Error {
         kind: String,
     },
     NotASink(String),
+    NotASubscription(String),
     NoDeadLetter {
         sink: String,
         position: Position,
@@ -71,7 +72,7 @@ impl Error {
             Error::NotInstalled => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::NotPreloaded => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::NotPull { .. } => ERRCODE_WRONG_OBJECT_TYPE,
-            Error::NotASink(_) => ERRCODE_WRONG_OBJECT_TYPE,
+            Error::NotASink(_) | Error::NotASubscription(_) => ERRCODE_WRONG_OBJECT_TYPE,
             Error::NoDeadLetter { .. } => ERRCODE_UNDEFINED_OBJECT,
             Error::BadHandler { .. } => ERRCODE_INVALID_FUNCTION_DEFINITION,
             Error::HandlerNotExecutable(_) => ERRCODE_INSUFFICIENT_PRIVILEGE,
@@ -96,6 +97,7 @@ impl Error {
             }
             Error::NotPull { name, kind } => format!("\"{name}\" is a {kind}, not a pull consumer"),
             Error::NotASink(name) => format!("\"{name}\" is not a sink"),
+            Error::NotASubscription(name) => format!("\"{name}\" is not a subscription"),
             Error::NoDeadLetter { sink, position } => {
                 format!("sink \"{sink}\" has no dead letter at position {position}")
             }
@@ -135,7 +137,7 @@ impl Error {
             }
             Error::NotASink(_) => Some("outbox.replay() re-delivers a sink's dead letters".into()),
             Error::BadHandler { .. } => Some(
-                "a sink handler is a function taking one argument of type outbox.event[]; raising an error fails the batch".into(),
+                "a sink handler takes one argument of type outbox.event[] (raising an error fails the batch); a subscription handler takes one outbox.event (raising an error fails the job)".into(),
             ),
             Error::HandlerNotExecutable(_) => {
                 Some("the registering role needs EXECUTE on the handler; the handler runs as that role".into())

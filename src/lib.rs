@@ -18,6 +18,7 @@ mod read_rule;
 mod replay;
 mod settings;
 mod sink;
+mod subscription;
 mod transaction;
 mod worker;
 
@@ -29,8 +30,17 @@ pgrx::pg_module_magic!();
 // The schema, the log, the cursor table and the read rule, before any function that uses them.
 pgrx::extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
 pgrx::extension_sql_file!("sql/sinks.sql", name = "sinks", requires = ["schema"]);
-pgrx::extension_sql_file!("sql/status.sql", name = "status", requires = ["sinks"]);
 pgrx::extension_sql_file!("sql/jobs.sql", name = "jobs", requires = ["schema"]);
+pgrx::extension_sql_file!(
+    "sql/subscriptions.sql",
+    name = "subscriptions",
+    requires = ["jobs"]
+);
+pgrx::extension_sql_file!(
+    "sql/status.sql",
+    name = "status",
+    requires = ["sinks", "subscriptions"]
+);
 
 // Last: nothing is usable by PUBLIC until a DBA grants it (see the README's "Privileges").
 pgrx::extension_sql_file!("sql/privileges.sql", name = "privileges", finalize);

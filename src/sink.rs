@@ -11,16 +11,17 @@ use pg_outbox_core::{http, name as names, required, Invalid, InvalidKind, Positi
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 
-/// Refuses a handler that is not `f(outbox.event[])` or that the caller may not execute.
-fn check_handler(handler: pg_sys::Oid) {
+/// Refuses a handler that is not `f(<argument>)` (`outbox.event[]` for a sink, `outbox.event`
+/// for a subscription) or that the caller may not execute.
+pub(crate) fn check_handler(handler: pg_sys::Oid, argument: &str) {
     let row = crate::query::two::<String, String>(
         "SELECT p.oid::pg_catalog.regprocedure::text, \
                 CASE WHEN p.prokind <> 'f' THEN 'must be a plain function, not a procedure or aggregate' \
-                     WHEN p.pronargs <> 1 OR p.proargtypes[0] <> 'outbox.event[]'::pg_catalog.regtype \
-                     THEN 'must take exactly one argument of type outbox.event[]' \
+                     WHEN p.pronargs <> 1 OR p.proargtypes[0] <> $2::pg_catalog.regtype \
+                     THEN 'must take exactly one argument of type ' || $2 \
                      WHEN p.proretset THEN 'must not return a set' END \
            FROM pg_catalog.pg_proc p WHERE p.oid = $1",
-        &[DatumWithOid::from(handler)],
+        &[DatumWithOid::from(handler), DatumWithOid::from(argument)],
     );
     let Some((Some(name), why)) = row else {
         Error::BadHandler {
@@ -43,7 +44,7 @@ fn check_handler(handler: pg_sys::Oid) {
 }
 
 /// Compiles topic patterns into one regular expression (NULL patterns: every topic).
-fn topic_regex(topics: Option<Vec<Option<String>>>) -> Result<Option<String>, Invalid> {
+pub(crate) fn topic_regex(topics: Option<Vec<Option<String>>>) -> Result<Option<String>, Invalid> {
     let Some(topics) = topics else {
         return Ok(None);
     };
@@ -126,7 +127,7 @@ fn create_sink(
     let id = required(id, "id").or_report();
     names::validate("sink", id).or_report();
     let handler = required(handler, "handler").or_report().oid();
-    check_handler(handler);
+    check_handler(handler, "outbox.event[]");
     register(id, Some(handler), topics, batch_size, start_at).to_string()
 }
 

@@ -8,7 +8,9 @@
 //! and the cursor commit together, exactly once. On failure the subtransaction is rolled back
 //! and the failure policy (pg_outbox_core::policy) decides what the next pass hands over.
 
+pub mod fanout;
 pub mod http;
+pub mod jobs;
 
 use crate::cursor;
 use crate::settings;
@@ -77,13 +79,15 @@ pub struct DueSinks {
 /// missing: the caller skips its step, so the worker never waits behind DDL, and DDL waits at
 /// most for the step in flight, never deadlocks with it.
 pub fn lock_tables() -> bool {
-    const TABLES: [&std::ffi::CStr; 6] = [
+    const TABLES: [&std::ffi::CStr; 8] = [
         c"events",
         c"events_seq",
         c"consumers",
         c"sinks",
         c"http_sinks",
         c"dead_letters",
+        c"jobs",
+        c"subscriptions",
     ];
     // SAFETY: catalog lookups and lock-manager calls in a transaction; a lock that cannot be had
     // returns false instead of waiting.
@@ -289,15 +293,30 @@ fn read_window(
 /// owner, under the sink timeout.
 fn deliver(client: &mut SpiClient<'_>, sink: &Sink, events: pg_sys::Datum) -> Result<(), Failure> {
     let sql = format!("SELECT {}($1)", sink.call);
+    // SAFETY: the datum is an outbox.event[] read in this SPI connection, still alive.
+    let arg = unsafe { DatumWithOid::new(events, sink.event_array_type) };
+    as_handler_owner(sink.owner, || {
+        // select, not update: pgrx's update path asks for a transaction id before the handler
+        // runs (see `lease`). The handler, a volatile function, still writes.
+        client
+            .select(sql.as_str(), None, &[arg])
+            .map(|_| ())
+            .unwrap_or_else(|e| panic!("{e}"));
+    })
+}
+
+/// Runs `f` (a handler call) in a subtransaction, as `owner`, under the handler timeout
+/// (`pg_outbox.sink_timeout`): the way SECURITY DEFINER switches users, restricted so the handler
+/// cannot SET ROLE its way out. An ERROR rolls the subtransaction back and comes back as a value.
+pub(crate) fn as_handler_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> Result<R, Failure> {
     in_subtransaction(|| {
         let (mut user, mut context) = (pg_sys::InvalidOid, 0i32);
-        // SAFETY: switches to the sink owner the way SECURITY DEFINER does, restricted so the
-        // handler cannot SET ROLE its way out; the subtransaction's end restores the user if the
-        // handler raises. The timeout is the one statement_timeout uses; disabled on both paths.
+        // SAFETY: the subtransaction's end restores the user if the handler raises. The timeout
+        // is the one statement_timeout uses; disabled on both paths.
         unsafe {
             pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
             pg_sys::SetUserIdAndSecContext(
-                sink.owner,
+                owner,
                 context
                     | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
                     | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
@@ -315,14 +334,7 @@ fn deliver(client: &mut SpiClient<'_>, sink: &Sink, events: pg_sys::Datum) -> Re
             }
         }
         let _restore = Restore(user, context);
-        // SAFETY: the datum is an outbox.event[] read in this SPI connection, still alive.
-        let arg = unsafe { DatumWithOid::new(events, sink.event_array_type) };
-        // select, not update: pgrx's update path asks for a transaction id before the handler
-        // runs (see `lease`). The handler, a volatile function, still writes.
-        client
-            .select(sql.as_str(), None, &[arg])
-            .map(|_| ())
-            .unwrap_or_else(|e| panic!("{e}"));
+        f()
     })
 }
 

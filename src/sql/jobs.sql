@@ -1,6 +1,8 @@
--- Jobs: units of work with their own retries. Queued by outbox.enqueue() (and, next, by
--- subscriptions); external workers in any language claim them with outbox.claim() (FOR UPDATE
--- SKIP LOCKED), then complete or fail them. Finished jobs are deleted: the table stays small.
+-- Jobs: units of work with their own retries. Queued by outbox.enqueue() and by subscriptions
+-- (fan-out, see subscriptions.sql). Jobs without a handler wait for external workers in any
+-- language, who claim them with outbox.claim() (FOR UPDATE SKIP LOCKED), then complete or fail
+-- them; jobs with a handler are run by the background worker. Finished jobs are deleted: the
+-- table stays small.
 CREATE TABLE outbox.jobs (
     id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     queue        text        NOT NULL,
@@ -14,16 +16,25 @@ CREATE TABLE outbox.jobs (
     state        text        NOT NULL DEFAULT 'waiting' CHECK (state IN ('waiting', 'running', 'dead')),
     lease_until  timestamptz,
     last_error   text,
-    created_at   timestamptz NOT NULL DEFAULT pg_catalog.now()
+    created_at   timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    -- Fan-out: the event the job carries (its payload is the event as JSON) and the subscription
+    -- that matched it. NULL for outbox.enqueue().
+    event        uuid,
+    subscription text,
+    -- Set for a subscription with a SQL handler: the worker runs the job, as the subscription's
+    -- owner; outbox.claim() never hands it out.
+    handler      regprocedure
 );
 -- The claim path: per queue, in run_at order, dead jobs left out.
 CREATE INDEX jobs_claim ON outbox.jobs (queue, run_at, id) WHERE state <> 'dead';
 -- A key is queued once while it waits.
+-- The worker's path: due jobs of a subscription with a handler, in run_at order.
+CREATE INDEX jobs_worker ON outbox.jobs (subscription, run_at, id) WHERE handler IS NOT NULL AND state = 'waiting';
 CREATE UNIQUE INDEX jobs_waiting_key ON outbox.jobs (queue, key) WHERE key IS NOT NULL AND state = 'waiting';
 
 CREATE TYPE outbox.job AS (
     id bigint, queue text, payload jsonb, key text, attempts integer, max_attempts integer,
-    lease_until timestamptz, created_at timestamptz
+    lease_until timestamptz, created_at timestamptz, event uuid, subscription text
 );
 
 CREATE FUNCTION outbox._check_queue(queue text) RETURNS void
@@ -86,13 +97,14 @@ BEGIN
     WITH c AS (
         SELECT j.id FROM outbox.jobs j
          WHERE j.queue = claim.queue AND j.state <> 'dead' AND j.run_at <= now()
-           AND (j.state = 'waiting' OR j.lease_until < now())
+           AND (j.state = 'waiting' OR j.lease_until < now()) AND j.handler IS NULL
          ORDER BY j.run_at, j.id
          LIMIT max_jobs
            FOR UPDATE SKIP LOCKED)
     UPDATE outbox.jobs j SET state = 'running', lease_until = now() + lease, attempts = j.attempts + 1
       FROM c WHERE j.id = c.id
-    RETURNING j.id, j.queue, j.payload, j.key, j.attempts, j.max_attempts, j.lease_until, j.created_at;
+    RETURNING j.id, j.queue, j.payload, j.key, j.attempts, j.max_attempts, j.lease_until, j.created_at,
+              j.event, j.subscription;
 END
 $$;
 
@@ -162,5 +174,5 @@ END
 $$;
 
 CREATE VIEW outbox.dead_jobs AS
-    SELECT id, queue, payload, key, attempts, max_attempts, last_error, created_at
+    SELECT id, queue, payload, key, attempts, max_attempts, last_error, created_at, event, subscription
       FROM outbox.jobs WHERE state = 'dead';

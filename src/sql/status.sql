@@ -1,4 +1,4 @@
--- outbox.status(): one row per consumer (pull consumers and sinks), for operators.
+-- outbox.status(): one row per consumer (pull consumers, sinks, subscriptions), for operators.
 CREATE FUNCTION outbox.status()
 RETURNS TABLE (
     name            text,
@@ -12,26 +12,60 @@ RETURNS TABLE (
     batch_size      integer,
     last_error      text,
     last_sqlstate   text,
-    dead_letters    bigint
+    dead_letters    bigint,
+    -- Subscriptions: events that matched (a job each), that the filter turned down, and on which
+    -- the filter failed (counted as false; last_error holds the last such error).
+    matched         bigint,
+    skipped         bigint,
+    predicate_errors bigint
 )
 LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x),
          waiting AS (SELECT count(*) AS n FROM outbox.events, h WHERE txid >= h.x)
     SELECT c.name, c.kind, c.txid::text || ':' || c.seq::text, b.n, now() - b.oldest,
-           CASE WHEN s.paused THEN 'paused'
+           CASE WHEN s.paused OR sub.paused THEN 'paused'
                 WHEN s.down THEN 'down'
                 WHEN s.next_attempt_at > now() THEN 'backing off'
                 WHEN b.n > 0 AND c.kind = 'sink' THEN 'delivering'
                 WHEN b.n > 0 THEN 'behind'
                 WHEN waiting.n > 0 THEN 'held by horizon'
                 ELSE 'idle' END,
-           s.next_attempt_at, greatest(s.attempts, s.transient), s.current_batch, s.last_error, s.last_sqlstate,
-           (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = c.name)
+           s.next_attempt_at, greatest(s.attempts, s.transient), s.current_batch,
+           coalesce(s.last_error, sub.last_predicate_error), s.last_sqlstate,
+           (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = c.name),
+           sub.matched, sub.skipped, sub.predicate_errors
       FROM outbox.consumers c
       LEFT JOIN outbox.sinks s ON s.id = c.name
+      LEFT JOIN outbox.subscriptions sub ON sub.name = c.name
      CROSS JOIN h CROSS JOIN waiting
      CROSS JOIN LATERAL (SELECT count(*) AS n, min(e.raised_at) AS oldest
                            FROM outbox.events e
                           WHERE (e.txid, e.seq) > (c.txid, c.seq) AND e.txid < h.x) b
      ORDER BY c.name
+$$;
+
+-- outbox.queue_status(): one row per job queue. A subscription with a handler queues under its
+-- own name. The jobs table holds only unfinished jobs, so this stays cheap.
+CREATE FUNCTION outbox.queue_status()
+RETURNS TABLE (
+    queue        text,
+    waiting      bigint,        -- never tried, waiting to run (due or not)
+    running      bigint,        -- claimed by an external worker, lease not lapsed
+    retrying     bigint,        -- failed before, waiting for their back-off to end
+    dead         bigint,        -- out of attempts or failed for good: see outbox.dead_jobs
+    oldest_due   interval,      -- how long the oldest due, unclaimed job has waited
+    last_error   text           -- of the most recently failed job
+)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT j.queue,
+           count(*) FILTER (WHERE j.state = 'waiting' AND j.attempts = 0),
+           count(*) FILTER (WHERE j.state = 'running' AND j.lease_until >= now()),
+           count(*) FILTER (WHERE (j.state = 'waiting' AND j.attempts > 0)
+                               OR (j.state = 'running' AND j.lease_until < now())),
+           count(*) FILTER (WHERE j.state = 'dead'),
+           now() - min(j.run_at) FILTER (WHERE j.state = 'waiting' AND j.run_at <= now()),
+           (array_agg(j.last_error ORDER BY j.id DESC) FILTER (WHERE j.last_error IS NOT NULL))[1]
+      FROM outbox.jobs j
+     GROUP BY j.queue
+     ORDER BY j.queue
 $$;

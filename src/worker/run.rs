@@ -34,6 +34,9 @@ fn installed() -> Installed {
     }
 }
 
+/// Job batches one subscription gets per round of the loop.
+const JOB_BATCHES_PER_ROUND: usize = 20;
+
 struct Worker {
     slot: usize,
     database: String,
@@ -116,10 +119,16 @@ impl Worker {
         // are due.
         let round = in_transaction(|| {
             let state = installed();
-            let sinks = (state == Installed::Ready).then(|| dispatch::due_sinks(self.slot));
-            (state, sinks)
+            let ready = state == Installed::Ready;
+            let sinks = ready.then(|| dispatch::due_sinks(self.slot));
+            let subscriptions = if ready {
+                dispatch::fanout::active(self.slot)
+            } else {
+                Vec::new()
+            };
+            (state, sinks, subscriptions)
         });
-        let (state, sinks) = match round {
+        let (state, sinks, subscriptions) = match round {
             Ok(round) => round,
             Err(e) => {
                 self.failed(&e.to_string());
@@ -151,7 +160,8 @@ impl Worker {
         let mut busy = false;
         let mut contended = false;
         let sinks = sinks.expect("due sinks are read when the SQL is ready");
-        super::set_has_sinks(sinks.count > 0);
+        let consumers = sinks.count + subscriptions.len();
+        super::set_has_sinks(consumers > 0);
         let mut in_flight = Vec::new();
         let mut results = Vec::new();
         for (sink, is_http) in sinks.due {
@@ -211,6 +221,11 @@ impl Worker {
         if let Some(next) = sinks.next_attempt_in {
             sleep = sleep.min(next);
         }
+        let (more, next_job) = self.subscriptions(&subscriptions, &mut contended);
+        busy |= more;
+        if let Some(next) = next_job {
+            sleep = sleep.min(next);
+        }
         if busy {
             return Duration::ZERO;
         }
@@ -230,7 +245,7 @@ impl Worker {
         }
         // Events committed but not yet readable: a transaction holds the horizon. Look again soon
         // (2 ms doubling to 100 ms) instead of after a full poll interval.
-        let waiting = sinks.count > 0 && in_transaction(dispatch::events_waiting).unwrap_or(false);
+        let waiting = consumers > 0 && in_transaction(dispatch::events_waiting).unwrap_or(false);
         match waiting {
             true => {
                 self.waiting_backoff = (self.waiting_backoff * 2)
@@ -242,6 +257,71 @@ impl Worker {
                 sleep
             }
         }
+    }
+
+    /// Fan-out for every active subscription, then the due jobs of those with a handler. Returns
+    /// whether more work is waiting (go round again at once) and when the next job is due.
+    fn subscriptions(
+        &mut self,
+        subscriptions: &[(String, bool)],
+        contended: &mut bool,
+    ) -> (bool, Option<Duration>) {
+        let mut more = false;
+        for (name, _) in subscriptions {
+            if self.stopping() {
+                return (false, None);
+            }
+            match in_transaction(|| dispatch::fanout::pass(name)) {
+                Ok(PassResult::Delivered { events, full }) => {
+                    slot_pass(self.slot, events as u64);
+                    more |= full;
+                }
+                Ok(PassResult::Contended) => *contended = true,
+                Ok(_) => {}
+                Err(e) => self.failed(&format!("subscription \"{name}\": {e}")),
+            }
+        }
+        if !subscriptions.iter().any(|(_, handler)| *handler) {
+            return (more, None);
+        }
+        let queues = match in_transaction(dispatch::jobs::handler_queues) {
+            Ok(queues) => queues,
+            Err(e) => {
+                self.failed(&format!("listing jobs: {e}"));
+                return (more, None);
+            }
+        };
+        let mut next: Option<Duration> = None;
+        for (name, due) in queues {
+            match due {
+                Some(d) if d.is_zero() => {}
+                Some(d) => {
+                    next = Some(next.map_or(d, |n| n.min(d)));
+                    continue;
+                }
+                None => continue,
+            }
+            // A bounded number of batches per round, so that sinks are never starved.
+            for _ in 0..JOB_BATCHES_PER_ROUND {
+                if self.stopping() {
+                    return (false, None);
+                }
+                match in_transaction(|| dispatch::jobs::run(&name)) {
+                    Ok(ran) => {
+                        slot_pass(self.slot, ran.done as u64);
+                        if !ran.full {
+                            break;
+                        }
+                        more = true;
+                    }
+                    Err(e) => {
+                        self.failed(&format!("jobs of subscription \"{name}\": {e}"));
+                        break;
+                    }
+                }
+            }
+        }
+        (more, next)
     }
 
     /// True once SIGTERM has arrived (and from then on).

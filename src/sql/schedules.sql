@@ -1,0 +1,375 @@
+-- Schedules: a named schedule raises an event or queues a job, either every fixed interval or at a
+-- wall-clock time in a time zone (daily, or weekly on one day). The workers call
+-- outbox._fire_schedules(); the public outbox.schedule() and outbox.unschedule() check the caller,
+-- then call outbox._schedule() and outbox._unschedule() here as the extension owner.
+--
+-- The time rules, in one place:
+-- * every: a fixed length in seconds; a day is 86400 s whatever the clocks do, so a
+--   '1 day' schedule drifts by an hour against the wall clock across a DST change (use
+--   daily_at for wall-clock times). Months have no fixed length and are refused. Runs keep to
+--   the grid first_run + k * every: a worker that was down fires the missed run once, then the
+--   next slot of the grid.
+-- * daily_at + zone (+ weekly_on): the zone's local clock, as the tz database has it. A local time
+--   a spring-forward skips runs at the instant the gap ends (02:30 in New York on the
+--   spring-forward day runs at 03:00 EDT). A local time a fall-back repeats runs once: at the
+--   instant PostgreSQL reads it as, the later of the two (01:30 EST, not 01:30 EDT), and never
+--   again that day. Missed runs fire once, late, then the next regular time.
+-- * Nothing depends on the session's TimeZone: the workers run with the server's, tests and
+--   users with their own. Local times are only computed with AT TIME ZONE and an explicit zone,
+--   and instants only move by intervals with no days part (timestamptz + '1 day' adds a
+--   calendar day in the session's zone).
+
+CREATE TABLE outbox.schedules (
+    name       text        NOT NULL PRIMARY KEY,
+    -- The fixed-interval form ...
+    every      interval,
+    -- ... or the wall-clock form: daily_at in zone, on every day or only on weekly_on
+    -- (0 = Sunday .. 6 = Saturday, as extract(dow)).
+    daily_at   time,
+    zone       text,
+    weekly_on  smallint,
+    -- What a run writes: an event with this topic, or a job in this queue.
+    topic      text,
+    queue      text,
+    payload    jsonb       NOT NULL DEFAULT '{}',
+    -- The role that created the schedule; only its members (or a superuser) may drop it.
+    owner      oid         NOT NULL,
+    next_run   timestamptz NOT NULL,
+    last_run   timestamptz,
+    fired      bigint      NOT NULL DEFAULT 0,
+    created_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    -- _schedule() checks all of these with a clear message; the constraints keep the table sound
+    -- against any other writer (a superuser's INSERT, a restore), since a row the firing
+    -- statement cannot handle would stop every schedule from firing.
+    -- The same rule as queue, consumer and sink names (pg_outbox_core::name).
+    CONSTRAINT schedules_name CHECK (name ~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$'),
+    CONSTRAINT schedules_one_form CHECK (
+        (every IS NOT NULL AND daily_at IS NULL AND zone IS NULL AND weekly_on IS NULL)
+        OR (every IS NULL AND daily_at IS NOT NULL AND zone IS NOT NULL)),
+    CONSTRAINT schedules_every_fixed CHECK (
+        EXTRACT(YEAR FROM every) = 0 AND EXTRACT(MONTH FROM every) = 0
+        AND EXTRACT(EPOCH FROM every) BETWEEN 1 AND 3650 * 86400),
+    CONSTRAINT schedules_daily_at CHECK (daily_at < '24:00'),
+    CONSTRAINT schedules_weekly_on CHECK (weekly_on BETWEEN 0 AND 6),
+    CONSTRAINT schedules_one_target CHECK ((topic IS NULL) <> (queue IS NULL)),
+    CONSTRAINT schedules_payload_object CHECK (pg_catalog.jsonb_typeof(payload) = 'object')
+);
+-- The firing statement and _schedule_due_in() look for the earliest next_run.
+CREATE INDEX schedules_next_run ON outbox.schedules (next_run);
+
+COMMENT ON TABLE outbox.schedules IS
+    'Schedules: every fixed interval, or daily/weekly at a local time in a zone; each run raises an event or queues a job.';
+
+-- The first instant whose local time in zone is at or after wall: the instant of wall itself
+-- when that local time exists (once or twice), the end of the gap when a clock change skips it.
+--
+-- How PostgreSQL reads a local time at a clock change (Appendix B.2 of its manual, and checked:
+-- see the tests): a skipped time (spring forward) with the offset in force before the change, so
+-- '2026-03-08 02:30' in America/New_York becomes 07:30 UTC, shown as 03:30 EDT: as far past the
+-- gap's end as 02:30 is past its start. A repeated time (fall back) with the offset after the
+-- change: '2026-11-01 01:30' becomes 06:30 UTC, 01:30 EST, the later of the two. The repeated
+-- case needs nothing more (one instant, once a day); for the skipped one we look for the gap's
+-- end, the instant the clocks jumped: PostgreSQL's instant is on one side of it and that instant
+-- moved back by the gap's length on the other, and local time only rises in between, so a binary
+-- search to the microsecond finds it (32 steps for an hour's gap, and only on a gap day).
+CREATE FUNCTION outbox._zoned_instant(wall timestamp, zone text) RETURNS timestamptz
+LANGUAGE plpgsql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    t     timestamptz := wall AT TIME ZONE zone;
+    shown timestamp   := t AT TIME ZONE zone;
+    gap   bigint;
+    lo    bigint;  -- microseconds from t; the local time at lo is before wall, at hi not
+    hi    bigint;
+    mid   bigint;
+BEGIN
+    IF shown = wall THEN
+        RETURN t;
+    END IF;
+    gap := abs(extract(epoch FROM shown - wall) * 1000000)::bigint;
+    IF shown > wall THEN
+        lo := -gap; hi := 0;  -- PostgreSQL's documented reading: t is past the gap's end
+    ELSE
+        lo := 0; hi := gap;   -- the other reading, should a release ever change it
+    END IF;
+    -- Whole microseconds below 2^53 times '1 microsecond': exact in float8 (a non-integral
+    -- factor would be truncated by interval * float8).
+    WHILE hi - lo > 1 LOOP
+        mid := lo + (hi - lo) / 2;
+        IF ((t + mid::float8 * interval '1 microsecond') AT TIME ZONE zone) >= wall THEN
+            hi := mid;
+        ELSE
+            lo := mid;
+        END IF;
+    END LOOP;
+    RETURN t + hi::float8 * interval '1 microsecond';
+END
+$$;
+
+-- The first run strictly after `after`; previous is the run being fired (NULL for a new
+-- schedule).
+--
+-- every: runs are previous + k * every with k >= 1 the smallest giving a time after `after`:
+-- however many slots were missed, one firing, then back on the grid. A new schedule first runs
+-- at after + every.
+--
+-- daily_at/zone/weekly_on: the first local date d in zone, on or after the local date of
+-- `after` and after the day previous ran for, that is weekly_on (if set) and whose run is after
+-- `after`. The day previous ran for is its local date, or the day before when its local time is
+-- earlier than daily_at: a gap that ends past midnight moved it to the next date (Pacific/Apia
+-- skipped 2011-12-30; a run that day happened at 2011-12-31 00:00), and that next date still has
+-- its own run. Never firing twice for one date is what makes a repeated local time run once even
+-- if the instant computed for a date ever changes (a tz database update).
+CREATE FUNCTION outbox._next_run(every interval, daily_at time, zone text, weekly_on smallint,
+                                 after timestamptz, previous timestamptz)
+RETURNS timestamptz
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    step_us   bigint;
+    k         bigint;
+    prev_wall timestamp;
+    day       date;
+    run       timestamptz;
+BEGIN
+    IF after IS NULL THEN
+        RAISE EXCEPTION 'after must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF (every IS NULL) = (daily_at IS NULL OR zone IS NULL) THEN
+        RAISE EXCEPTION 'a schedule has every, or daily_at and zone' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF every IS NOT NULL THEN
+        -- extract(epoch) counts a day as 86400 s and is exact (numeric) to the microsecond;
+        -- whole microseconds keep the arithmetic exact (see _zoned_instant).
+        step_us := (extract(epoch FROM every) * 1000000)::bigint;
+        IF step_us <= 0 OR extract(year FROM every) <> 0 OR extract(month FROM every) <> 0 THEN
+            RAISE EXCEPTION 'every must be a positive fixed length, not %', every
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF previous IS NULL THEN
+            RETURN after + step_us::float8 * interval '1 microsecond';
+        END IF;
+        k := greatest(floor((extract(epoch FROM after) - extract(epoch FROM previous)) * 1000000 / step_us) + 1, 1);
+        RETURN previous + (k * step_us)::float8 * interval '1 microsecond';
+    END IF;
+
+    day := (after AT TIME ZONE zone)::date;
+    IF previous IS NOT NULL THEN
+        prev_wall := previous AT TIME ZONE zone;
+        day := greatest(day, prev_wall::date - CASE WHEN prev_wall::time < daily_at THEN 1 ELSE 0 END + 1);
+    END IF;
+    -- A week and two days always holds a run: the first date's run may be at or before `after`,
+    -- and a fall-back across midnight can make the next date's too.
+    FOR i IN 1..16 LOOP
+        IF weekly_on IS NULL OR extract(dow FROM day) = weekly_on THEN
+            run := outbox._zoned_instant(day + daily_at, zone);
+            IF run > after THEN
+                RETURN run;
+            END IF;
+        END IF;
+        day := day + 1;
+    END LOOP;
+    RAISE EXCEPTION 'no run of daily_at % in % (weekly_on %) after %', daily_at, zone, weekly_on, after
+        USING ERRCODE = 'internal_error';
+END
+$$;
+
+-- Creates a schedule after checking every argument; returns its first run. Topics are checked
+-- by the caller, outbox.schedule(), with raise()'s own rules.
+CREATE FUNCTION outbox._schedule(name text, every interval, daily_at time, zone text, weekly_on text,
+                                 topic text, queue text, payload jsonb, owner oid)
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    forms      constant text := 'outbox.schedule(name, every => ''5 minutes'', ...) or '
+        'outbox.schedule(name, daily_at => ''02:30'', zone => ''Europe/Berlin'', weekly_on => ''monday'', ...) '
+        '(weekly_on is optional)';
+    tz         text;
+    dow        smallint;
+    first_run  timestamptz;
+BEGIN
+    IF name IS NULL THEN
+        RAISE EXCEPTION 'schedule name must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- The same rule as queue, consumer and sink names (pg_outbox_core::name).
+    IF name !~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$' THEN
+        RAISE EXCEPTION 'invalid schedule name "%"', name USING ERRCODE = 'invalid_name',
+            HINT = 'a schedule name is 1 to 63 letters, digits, ''_'', ''-'' or ''.'', starting with a letter or digit';
+    END IF;
+    IF owner IS NULL THEN
+        RAISE EXCEPTION 'owner must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+
+    IF every IS NULL AND daily_at IS NULL AND (zone IS NOT NULL OR weekly_on IS NOT NULL) THEN
+        RAISE EXCEPTION '% needs daily_at', CASE WHEN zone IS NOT NULL THEN 'zone' ELSE 'weekly_on' END
+            USING ERRCODE = 'invalid_parameter_value', HINT = forms;
+    END IF;
+    IF every IS NULL AND daily_at IS NULL THEN
+        RAISE EXCEPTION 'a schedule needs every or daily_at' USING ERRCODE = 'invalid_parameter_value',
+            HINT = forms;
+    END IF;
+    IF every IS NOT NULL AND daily_at IS NOT NULL THEN
+        RAISE EXCEPTION 'a schedule has either every or daily_at, not both' USING ERRCODE = 'invalid_parameter_value',
+            HINT = forms;
+    END IF;
+
+    IF every IS NOT NULL THEN
+        IF zone IS NOT NULL OR weekly_on IS NOT NULL THEN
+            RAISE EXCEPTION '% goes with daily_at, not with every', CASE WHEN zone IS NOT NULL THEN 'zone' ELSE 'weekly_on' END
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'every is a fixed length that ignores clocks; for a local time use daily_at and zone';
+        END IF;
+        IF extract(year FROM every) <> 0 OR extract(month FROM every) <> 0 THEN
+            RAISE EXCEPTION 'every must not have months or years, not %', every
+                USING ERRCODE = 'invalid_parameter_value',
+                      DETAIL = 'Months have no fixed length, and every is a fixed length.',
+                      HINT = 'use days (''30 days''), or daily_at with weekly_on for calendar times';
+        END IF;
+        IF extract(epoch FROM every) <= 0 THEN
+            RAISE EXCEPTION 'every must be positive, not %', every USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF extract(epoch FROM every) < 1 THEN
+            RAISE EXCEPTION 'every must be at least 1 second, not %', every USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        -- A bound far beyond any real schedule, so that next_run can never leave the timestamp
+        -- range: the overflow would fail the firing statement, and with it every schedule.
+        IF extract(epoch FROM every) > 3650 * 86400 THEN
+            RAISE EXCEPTION 'every must be at most 3650 days, not %', every USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+    ELSE
+        IF zone IS NULL THEN
+            RAISE EXCEPTION 'daily_at needs a zone' USING ERRCODE = 'invalid_parameter_value',
+                HINT = 'a time zone name such as ''America/New_York'' or ''UTC'' (see pg_timezone_names)';
+        END IF;
+        -- time accepts 24:00, the next day's midnight: it would run on the day after weekly_on.
+        IF daily_at >= '24:00' THEN
+            RAISE EXCEPTION 'daily_at must be before 24:00' USING ERRCODE = 'invalid_parameter_value',
+                HINT = 'use 00:00 for midnight';
+        END IF;
+        -- Names only: an abbreviation ('PST') or an offset ('+02', 'UTC+3') is a fixed offset,
+        -- not a zone's rules, and POSIX strings read signs backwards. Case is forgiven, as
+        -- PostgreSQL does; the zone's own spelling is stored.
+        SELECT z.name INTO tz FROM pg_timezone_names z WHERE z.name = zone;
+        IF tz IS NULL THEN
+            SELECT min(z.name) INTO tz FROM pg_timezone_names z WHERE lower(z.name) = lower(zone);
+        END IF;
+        IF tz IS NULL THEN
+            RAISE EXCEPTION 'unknown time zone "%"', zone USING ERRCODE = 'invalid_parameter_value',
+                HINT = 'use a zone name from pg_timezone_names, such as ''Europe/Berlin'' or ''UTC''; '
+                       'abbreviations such as ''PST'' and offsets such as ''+02'' are not zones';
+        END IF;
+        IF weekly_on IS NOT NULL THEN
+            SELECT (d.n - 1)::smallint INTO dow
+              FROM unnest(ARRAY['sunday', 'monday', 'tuesday', 'wednesday', 'thursday', 'friday', 'saturday'])
+                   WITH ORDINALITY AS d(day, n)
+             WHERE lower(weekly_on) IN (d.day, left(d.day, 3));
+            IF dow IS NULL THEN
+                RAISE EXCEPTION 'invalid weekly_on "%"', weekly_on USING ERRCODE = 'invalid_parameter_value',
+                    HINT = 'a day of the week: sunday, monday, tuesday, wednesday, thursday, friday or saturday, '
+                           'or its first three letters (''mon'')';
+            END IF;
+        END IF;
+    END IF;
+
+    IF topic IS NULL AND queue IS NULL THEN
+        RAISE EXCEPTION 'a schedule needs a topic or a queue' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'topic => ''...'' raises an event at each run; queue => ''...'' queues a job';
+    END IF;
+    IF topic IS NOT NULL AND queue IS NOT NULL THEN
+        RAISE EXCEPTION 'a schedule has either a topic or a queue, not both' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'topic => ''...'' raises an event at each run; queue => ''...'' queues a job';
+    END IF;
+    IF queue IS NOT NULL THEN
+        PERFORM outbox._check_queue(queue);
+    END IF;
+    -- NULL means {}, as in raise() and enqueue().
+    IF payload IS NOT NULL AND jsonb_typeof(payload) <> 'object' THEN
+        RAISE EXCEPTION 'payload must be a JSON object' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'wrap the value in an object, e.g. {"value": ...}; NULL means {}';
+    END IF;
+
+    first_run := outbox._next_run(every, daily_at, tz, dow, now(), NULL);
+    -- ON CONFLICT rather than a look first: of two sessions creating one name at once, the second
+    -- waits for the first and then gets the clear error, not a unique violation.
+    INSERT INTO outbox.schedules AS s (name, every, daily_at, zone, weekly_on, topic, queue, payload, owner, next_run)
+    VALUES (name, every, daily_at, tz, dow, topic, queue, coalesce(payload, '{}'), owner, first_run)
+    ON CONFLICT ON CONSTRAINT schedules_pkey DO NOTHING;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'schedule "%" already exists', name USING ERRCODE = 'duplicate_object',
+            HINT = 'outbox.unschedule() it first to change it';
+    END IF;
+    RETURN first_run;
+END
+$$;
+
+-- Drops a schedule; false when there was none. A run being fired concurrently holds the row:
+-- the DELETE waits for it, and the run counts.
+CREATE FUNCTION outbox._unschedule(name text) RETURNS boolean
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF name IS NULL THEN
+        RAISE EXCEPTION 'schedule name must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    DELETE FROM outbox.schedules s WHERE s.name = _unschedule.name;
+    RETURN FOUND;
+END
+$$;
+
+-- Fires every due schedule; returns how many fired. One statement moves each due schedule to its
+-- next run and writes its event or job, so a run and its write commit or roll back together.
+--
+-- Concurrency (the workers call this at once, READ COMMITTED): `due` locks the due rows FOR
+-- UPDATE SKIP LOCKED. A row another worker is firing is skipped, not waited for: no worker
+-- stalls behind another's transaction and no two can deadlock. A row another worker fired and
+-- committed after this statement's snapshot is locked in its new version and `next_run <= now()`
+-- is checked again on it (READ COMMITTED re-check): no longer due, it drops out; due again (its
+-- new run already passed by this transaction's now()), it fires that new run, a different one.
+-- `due` returns the values of the version it locked, and nobody can change a locked row, so
+-- due.next_run is exactly the run being fired: the old next_run that RETURNING cannot give. (A
+-- plain self-join would not do: on the re-check it keeps the joined copy from the snapshot, and
+-- a stale next_run would fire the other worker's run a second time.)
+--
+-- scheduled_for is the run's instant in UTC ISO 8601 ('2026-03-08T07:00:00.000000Z'), so the
+-- headers and job keys do not depend on the session TimeZone. A job's key, name@scheduled_for,
+-- is one run: a run queued twice would be one job.
+CREATE FUNCTION outbox._fire_schedules() RETURNS integer
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    n integer;
+BEGIN
+    WITH due AS (
+        SELECT s.name, s.next_run
+          FROM outbox.schedules s
+         WHERE s.next_run <= now()
+           FOR UPDATE SKIP LOCKED
+    ), fired AS (
+        UPDATE outbox.schedules s
+           SET next_run = outbox._next_run(s.every, s.daily_at, s.zone, s.weekly_on, now(), due.next_run),
+               last_run = now(),
+               fired = s.fired + 1
+          FROM due
+         WHERE s.name = due.name
+        RETURNING s.name, s.topic, s.queue, s.payload,
+                  to_char(due.next_run AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS scheduled_for
+    )
+    -- count(x) evaluates x for every row: each run writes once. raise() and enqueue() never
+    -- return NULL here (a key is one run, so enqueue never meets another run's job).
+    SELECT count(CASE WHEN f.topic IS NOT NULL
+                      THEN outbox.raise(f.topic, f.payload, NULL, NULL,
+                                        jsonb_build_object('schedule', f.name, 'scheduled_for', f.scheduled_for))::text
+                      ELSE outbox.enqueue(f.queue, f.payload, NULL, f.name || '@' || f.scheduled_for, 10)::text
+                 END)
+      INTO n
+      FROM fired f;
+    RETURN n;
+END
+$$;
+
+-- Milliseconds until the earliest run: 0 when one is due, NULL when there is no schedule. Read
+-- from the clock, not now(), so a worker sleeping this long wakes when the run is due; the next
+-- _fire_schedules() then has to be in a new transaction (its now() is that transaction's start).
+CREATE FUNCTION outbox._schedule_due_in() RETURNS bigint
+LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT greatest(0, ceil(extract(epoch FROM s.next_run - clock_timestamp()) * 1000))::bigint
+      FROM outbox.schedules s
+     ORDER BY s.next_run
+     LIMIT 1
+$$;

@@ -1,0 +1,456 @@
+//! Subscriptions: CEL filters route events into jobs; the worker runs jobs with a SQL handler
+//! exactly once; refusals; runtime filter errors that neither stall nor crash.
+
+use pg_outbox_tests::{eventually, sqlstate, worker_db};
+use postgres::Client;
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+fn count(c: &mut Client, sql: &str) -> i64 {
+    c.query_one(sql, &[]).unwrap().get(0)
+}
+
+/// Waits until every subscription has read the whole log.
+fn caught_up(c: &mut Client) {
+    eventually("subscriptions caught up", Duration::from_secs(30), || {
+        let behind = count(
+            c,
+            "SELECT coalesce(sum(events_behind), 0)::int8 FROM outbox.status() WHERE kind = 'subscription'",
+        );
+        (behind == 0).then_some(())
+    });
+}
+
+fn queued(c: &mut Client, queue: &str) -> BTreeSet<i64> {
+    c.query(
+        "SELECT (payload->'payload'->>'n')::int8 FROM outbox.jobs WHERE queue = $1",
+        &[&queue],
+    )
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+#[test]
+fn filters_route_exactly_the_matching_events_to_each_subscription() {
+    let db = worker_db("sub_routing");
+    let mut c = db.connect();
+    c.batch_execute(
+        "SELECT outbox.subscribe('big-acme', '{orders.*}', queue => 'big-acme',
+                                 filter => 'payload.amount > 100 && tenant == \"acme\"');
+         SELECT outbox.subscribe('vip', NULL, queue => 'vip', filter => 'has(payload.vip) && payload.vip');
+         SELECT outbox.subscribe('all-refunds', '{refunds.#}', queue => 'refunds');
+         SELECT outbox.subscribe('by-subject', NULL, queue => 'subj',
+                                 filter => 'subject != null && subject.startsWith(\"cust-1\")');",
+    )
+    .unwrap();
+    // 200 events over three topics, two tenants, amounts 0..199, every 7th a VIP.
+    c.batch_execute(
+        "SELECT outbox.raise(CASE WHEN n % 3 = 0 THEN 'orders.created' WHEN n % 3 = 1 THEN 'orders.paid'
+                                  ELSE 'refunds.issued.eu' END,
+                             jsonb_build_object('n', n, 'amount', n) || CASE WHEN n % 7 = 0 THEN '{\"vip\": true}'::jsonb
+                                                                            ELSE '{}' END,
+                             subject => 'cust-' || (n % 20),
+                             tenant => CASE WHEN n % 2 = 0 THEN 'acme' ELSE 'globex' END)
+           FROM generate_series(0, 199) n",
+    )
+    .unwrap();
+    caught_up(&mut c);
+    let topic = |n: i64| match n % 3 {
+        0 => "orders.created",
+        1 => "orders.paid",
+        _ => "refunds.issued.eu",
+    };
+    let expect =
+        |pred: &dyn Fn(i64) -> bool| -> BTreeSet<i64> { (0..200).filter(|n| pred(*n)).collect() };
+    assert_eq!(
+        queued(&mut c, "big-acme"),
+        expect(&|n| topic(n).starts_with("orders.") && n > 100 && n % 2 == 0)
+    );
+    assert_eq!(queued(&mut c, "vip"), expect(&|n| n % 7 == 0));
+    assert_eq!(
+        queued(&mut c, "refunds"),
+        expect(&|n| topic(n).starts_with("refunds."))
+    );
+    assert_eq!(
+        queued(&mut c, "subj"),
+        expect(&|n| (n % 20).to_string().starts_with('1'))
+    );
+    // Each job carries its event and the event's id as its key; the counts add up.
+    let bad = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.jobs WHERE key <> event::text OR payload->>'id' <> event::text
+                                         OR subscription IS NULL OR handler IS NOT NULL",
+    );
+    assert_eq!(bad, 0);
+    let row = c
+        .query_one(
+            "SELECT matched, skipped, predicate_errors FROM outbox.status() WHERE name = 'big-acme'",
+            &[],
+        )
+        .unwrap();
+    let (matched, skipped, errors): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    let orders = (0..200).filter(|n| n % 3 != 2).count() as i64;
+    assert_eq!(matched, queued(&mut c, "big-acme").len() as i64);
+    assert_eq!(
+        matched + skipped,
+        orders,
+        "every event of its topics is counted once"
+    );
+    assert_eq!(errors, 0);
+}
+
+#[test]
+fn a_filter_that_fails_at_run_time_counts_as_false_and_does_not_stall() {
+    let db = worker_db("sub_errors");
+    let mut c = db.connect();
+    c.batch_execute(
+        "SELECT outbox.subscribe('amounts', NULL, queue => 'amounts', filter => 'payload.amount > 10');
+         SELECT outbox.subscribe('not-bool', NULL, queue => 'nb', filter => 'payload.amount');
+         SELECT outbox.raise('t', '{\"n\": 1, \"amount\": 50}');
+         SELECT outbox.raise('t', '{\"n\": 2}');
+         SELECT outbox.raise('t', '{\"n\": 3, \"amount\": \"lots\"}');
+         SELECT outbox.raise('t', '{\"n\": 4, \"amount\": 11}');
+         SELECT outbox.raise('t', '{\"n\": 5, \"amount\": 1}');",
+    )
+    .unwrap();
+    caught_up(&mut c);
+    assert_eq!(queued(&mut c, "amounts"), BTreeSet::from([1, 4]));
+    let row = c
+        .query_one(
+            "SELECT matched, skipped, predicate_errors, last_error, state FROM outbox.status() WHERE name = 'amounts'",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), 2);
+    assert_eq!(row.get::<_, i64>(1), 1);
+    assert_eq!(row.get::<_, i64>(2), 2, "the missing field and the string");
+    let last: String = row.get(3);
+    assert!(last.contains("event "), "the error names the event: {last}");
+    assert_eq!(row.get::<_, String>(4), "idle");
+    // A filter that gives no boolean matches nothing, and says why.
+    assert!(queued(&mut c, "nb").is_empty());
+    let last: String = c
+        .query_one(
+            "SELECT last_error FROM outbox.status() WHERE name = 'not-bool'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(last.contains("not a boolean"), "{last}");
+    // The worker lives on and later events still flow.
+    c.batch_execute("SELECT outbox.raise('t', '{\"n\": 6, \"amount\": 99}')")
+        .unwrap();
+    caught_up(&mut c);
+    assert_eq!(queued(&mut c, "amounts"), BTreeSet::from([1, 4, 6]));
+}
+
+#[test]
+fn subscribe_refuses_bad_input() {
+    let db = worker_db("sub_refusals");
+    let mut c = db.connect();
+    c.batch_execute(
+        "CREATE FUNCTION ok_handler(e outbox.event) RETURNS void LANGUAGE sql AS 'SELECT';
+         CREATE FUNCTION batch_handler(e outbox.event[]) RETURNS void LANGUAGE sql AS 'SELECT';
+         CREATE FUNCTION private_handler(e outbox.event) RETURNS void LANGUAGE sql AS 'SELECT';
+         REVOKE EXECUTE ON FUNCTION private_handler(outbox.event) FROM PUBLIC;
+         CREATE ROLE sub_app LOGIN;
+         GRANT USAGE ON SCHEMA outbox TO sub_app;
+         GRANT EXECUTE ON FUNCTION outbox.subscribe(text, text[], regprocedure, text, text, integer, text),
+                                   outbox.unsubscribe(text), outbox.pause_subscription(text) TO sub_app;
+         SELECT outbox.subscribe('taken', queue => 'q');
+         SELECT outbox.create_consumer('puller');",
+    )
+    .unwrap();
+    let cases = [
+        (
+            "SELECT outbox.subscribe('s', queue => 'q', filter => 'payload.amount >')",
+            "22023",
+        ),
+        (
+            "SELECT outbox.subscribe('s', queue => 'q', filter => 'amount > 100')",
+            "22023",
+        ),
+        (
+            "SELECT outbox.subscribe('s', queue => 'q', filter => '   ')",
+            "22023",
+        ),
+        ("SELECT outbox.subscribe('s')", "22023"),
+        (
+            "SELECT outbox.subscribe('s', handler => 'ok_handler(outbox.event)', queue => 'q')",
+            "22023",
+        ),
+        (
+            "SELECT outbox.subscribe('s', handler => 'batch_handler(outbox.event[])')",
+            "42P13",
+        ),
+        (
+            "SELECT outbox.subscribe('s', queue => 'no spaces')",
+            "42602",
+        ),
+        ("SELECT outbox.subscribe('bad name', queue => 'q')", "42602"),
+        ("SELECT outbox.subscribe(NULL, queue => 'q')", "22004"),
+        (
+            "SELECT outbox.subscribe('s', queue => 'q', max_attempts => 0)",
+            "22023",
+        ),
+        (
+            "SELECT outbox.subscribe('s', queue => 'q', max_attempts => NULL)",
+            "22004",
+        ),
+        ("SELECT outbox.subscribe('s', '{}', queue => 'q')", "22023"),
+        (
+            "SELECT outbox.subscribe('s', '{a..b}', queue => 'q')",
+            "22023",
+        ),
+        (
+            "SELECT outbox.subscribe('s', queue => 'q', start_at => 'yesterday')",
+            "22023",
+        ),
+        ("SELECT outbox.subscribe('taken', queue => 'q')", "42710"),
+        ("SELECT outbox.unsubscribe('nobody')", "42704"),
+        ("SELECT outbox.unsubscribe('puller')", "42809"),
+    ];
+    for (sql, code) in cases {
+        assert_eq!(sqlstate(&mut c, sql), code, "{sql}");
+    }
+    let mut app = db.connect_as("sub_app");
+    assert_eq!(
+        sqlstate(
+            &mut app,
+            "SELECT outbox.subscribe('s', handler => 'private_handler(outbox.event)')"
+        ),
+        "42501",
+        "registering a handler needs EXECUTE on it"
+    );
+    assert_eq!(
+        sqlstate(&mut app, "SELECT outbox.unsubscribe('taken')"),
+        "42501",
+        "only the owner drops a subscription"
+    );
+    app.batch_execute("SELECT outbox.subscribe('mine', handler => 'ok_handler(outbox.event)')")
+        .unwrap();
+    app.batch_execute(
+        "SELECT outbox.pause_subscription('mine'); SELECT outbox.unsubscribe('mine')",
+    )
+    .unwrap();
+    assert_eq!(
+        count(&mut c, "SELECT count(*) FROM outbox.subscriptions"),
+        1
+    );
+}
+
+const EFFECTS: &str = "
+    CREATE TABLE effects (n int8 NOT NULL, pid int NOT NULL DEFAULT pg_backend_pid(), by_role name DEFAULT current_user);
+    CREATE TABLE flaky (on_ boolean NOT NULL);
+    INSERT INTO flaky VALUES (true);
+    CREATE ROLE job_owner;
+    GRANT USAGE ON SCHEMA outbox TO job_owner;
+    GRANT INSERT ON effects TO job_owner;
+    GRANT SELECT ON flaky TO job_owner;
+    GRANT EXECUTE ON FUNCTION outbox.subscribe(text, text[], regprocedure, text, text, integer, text) TO job_owner;
+    -- Records the event's effect; fails (retryably) for every 97th event while flaky is on, and
+    -- with a data error for an event marked bad.
+    CREATE FUNCTION apply_event(e outbox.event) RETURNS void LANGUAGE plpgsql AS $$
+    BEGIN
+      INSERT INTO effects (n) VALUES ((e.payload->>'n')::int8);
+      IF (e.payload->>'n')::int8 % 97 = 0 AND (SELECT on_ FROM flaky) THEN
+        RAISE EXCEPTION 'flaky dependency' USING ERRCODE = 'P0001';
+      END IF;
+      IF e.payload ? 'bad' AND (SELECT on_ FROM flaky) THEN
+        PERFORM 1 / 0;
+      END IF;
+    END $$;
+    ALTER FUNCTION apply_event(outbox.event) OWNER TO job_owner;";
+
+#[test]
+fn ten_thousand_jobs_run_exactly_once_by_a_sql_handler_with_transient_failures() {
+    let db = worker_db("sub_jobs");
+    let mut c = db.connect();
+    c.batch_execute(&EFFECTS.replace("job_owner", &format!("job_owner_{}", db.name)))
+        .unwrap();
+    c.batch_execute(&format!(
+        "SET ROLE job_owner_{db};
+         SELECT outbox.subscribe('apply', '{{work.*}}', handler => 'apply_event(outbox.event)',
+                                 filter => 'payload.n >= 0');
+         RESET ROLE;",
+        db = db.name
+    ))
+    .unwrap();
+    // 10,000 matching events from many transactions, interleaved with events of other topics.
+    for chunk in 0..20 {
+        c.batch_execute(&format!(
+            "SELECT outbox.raise('work.item', jsonb_build_object('n', n)) FROM generate_series({a}, {b}) n;
+             SELECT outbox.raise('other', '{{}}') FROM generate_series(1, 10);",
+            a = chunk * 500,
+            b = chunk * 500 + 499
+        ))
+        .unwrap();
+    }
+    // Every job that does not fail has run once; the flaky ones are retrying.
+    let flaky = (0..10_000).filter(|n| n % 97 == 0).count() as i64;
+    eventually(
+        "the non-failing jobs to run",
+        Duration::from_secs(60),
+        || (count(&mut c, "SELECT count(*) FROM effects") == 10_000 - flaky).then_some(()),
+    );
+    let retrying = eventually(
+        "the flaky jobs to be retrying",
+        Duration::from_secs(30),
+        || {
+            let r: i64 = count(
+                &mut c,
+                "SELECT count(*) FROM outbox.jobs WHERE attempts > 0 AND state = 'waiting'",
+            );
+            (r == flaky).then_some(r)
+        },
+    );
+    assert_eq!(retrying, flaky);
+    let row = c
+        .query_one(
+            "SELECT retrying, dead FROM outbox.queue_status() WHERE queue = 'apply'",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), flaky);
+    assert_eq!(row.get::<_, i64>(1), 0);
+    c.batch_execute("UPDATE flaky SET on_ = false").unwrap();
+    eventually("every job to run", Duration::from_secs(60), || {
+        (count(&mut c, "SELECT count(*) FROM outbox.jobs") == 0).then_some(())
+    });
+    let row = c
+        .query_one(
+            "SELECT count(*), count(DISTINCT n), min(n), max(n), bool_and(by_role = $1) FROM effects",
+            &[&format!("job_owner_{}", db.name)],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), 10_000, "each effect exactly once");
+    assert_eq!(row.get::<_, i64>(1), 10_000);
+    assert_eq!((row.get::<_, i64>(2), row.get::<_, i64>(3)), (0, 9_999));
+    assert!(
+        row.get::<_, bool>(4),
+        "the handler runs as the subscription's owner"
+    );
+    let workers = count(&mut c, "SELECT count(DISTINCT pid) FROM effects");
+    println!("jobs ran in {workers} worker process(es)");
+}
+
+#[test]
+fn a_data_error_kills_a_job_at_once_and_a_replay_runs_it() {
+    let db = worker_db("sub_dead");
+    let mut c = db.connect();
+    c.batch_execute(&EFFECTS.replace("job_owner", &format!("job_owner_{}", db.name)))
+        .unwrap();
+    c.batch_execute(
+        &"UPDATE flaky SET on_ = true;
+         SET ROLE job_owner;
+         SELECT outbox.subscribe('apply', NULL, handler => 'apply_event(outbox.event)');
+         RESET ROLE;
+         SELECT outbox.raise('t', '{\"n\": 1}');
+         SELECT outbox.raise('t', '{\"n\": 2, \"bad\": true}');
+         SELECT outbox.raise('t', '{\"n\": 3}');"
+            .replace("job_owner", &format!("job_owner_{}", db.name)),
+    )
+    .unwrap();
+    let id: i64 = eventually("the bad job to die", Duration::from_secs(30), || {
+        c.query_opt("SELECT id FROM outbox.dead_jobs WHERE queue = 'apply'", &[])
+            .unwrap()
+            .map(|r| r.get(0))
+    });
+    let row = c
+        .query_one(
+            "SELECT attempts, last_error FROM outbox.jobs WHERE id = $1",
+            &[&id],
+        )
+        .unwrap();
+    assert_eq!(
+        row.get::<_, i32>(0),
+        1,
+        "a data error does not pass on retry: no second attempt"
+    );
+    assert!(
+        row.get::<_, String>(1).contains("22012"),
+        "{}",
+        row.get::<_, String>(1)
+    );
+    assert_eq!(
+        c.query("SELECT n FROM effects ORDER BY n", &[])
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<_, i64>(0))
+            .collect::<Vec<_>>(),
+        [1, 3],
+        "the failed job's writes were rolled back; its neighbours ran"
+    );
+    c.batch_execute("UPDATE flaky SET on_ = false").unwrap();
+    c.execute("SELECT outbox.replay_job($1)", &[&id]).unwrap();
+    eventually("the replayed job to run", Duration::from_secs(30), || {
+        (count(&mut c, "SELECT count(*) FROM effects") == 3).then_some(())
+    });
+    assert_eq!(count(&mut c, "SELECT count(*) FROM outbox.jobs"), 0);
+}
+
+#[test]
+fn unsubscribe_drops_handler_jobs_but_not_queued_ones_and_pause_holds_jobs() {
+    let db = worker_db("sub_pause");
+    let mut c = db.connect();
+    c.batch_execute(&EFFECTS.replace("job_owner", &format!("job_owner_{}", db.name)))
+        .unwrap();
+    c.batch_execute(
+        &"UPDATE flaky SET on_ = false;
+         SET ROLE job_owner;
+         SELECT outbox.subscribe('apply', NULL, handler => 'apply_event(outbox.event)');
+         RESET ROLE;
+         SELECT outbox.subscribe('ext', NULL, queue => 'ext');
+         SELECT outbox.pause_subscription('apply');
+         SELECT outbox.raise('t', jsonb_build_object('n', n)) FROM generate_series(1, 5) n;"
+            .replace("job_owner", &format!("job_owner_{}", db.name)),
+    )
+    .unwrap();
+    eventually(
+        "the queue subscription to fan out",
+        Duration::from_secs(30),
+        || {
+            (count(
+                &mut c,
+                "SELECT count(*) FROM outbox.jobs WHERE queue = 'ext'",
+            ) == 5)
+                .then_some(())
+        },
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        count(&mut c, "SELECT count(*) FROM effects"),
+        0,
+        "paused: no fan-out, no runs"
+    );
+    c.batch_execute("SELECT outbox.resume_subscription('apply')")
+        .unwrap();
+    eventually(
+        "the resumed subscription to run",
+        Duration::from_secs(30),
+        || (count(&mut c, "SELECT count(*) FROM effects") == 5).then_some(()),
+    );
+    c.batch_execute(
+        "SELECT outbox.pause_subscription('apply');
+         SELECT outbox.raise('t', '{\"n\": 6}');",
+    )
+    .unwrap();
+    c.batch_execute("SELECT outbox.unsubscribe('apply'); SELECT outbox.unsubscribe('ext')")
+        .unwrap();
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.jobs WHERE handler IS NOT NULL"
+        ),
+        0
+    );
+    assert!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'ext'"
+        ) >= 5,
+        "jobs queued for external workers stay"
+    );
+}

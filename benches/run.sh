@@ -2,10 +2,10 @@
 # Builds and installs the release build of pg_outbox, then runs one benchmark binary of
 # benches/src/bin (each starts and stops its own throwaway cluster).
 #
-#   bash benches/run.sh dispatch|http|filter
+#   bash benches/run.sh dispatch|http|filter|subscriptions
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bin=${1:?usage: bash benches/run.sh dispatch|http|filter}
+bin=${1:?usage: bash benches/run.sh dispatch|http|filter|subscriptions}
 bash scripts/setup.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 echo "[bench] building and installing pg_outbox (release)" >&2

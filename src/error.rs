@@ -34,6 +34,9 @@ pub enum Error {
     },
     NotASink(String),
     NotASubscription(String),
+    /// The caller may not write what a schedule would write (raise, or enqueue).
+    ScheduleDenied(&'static str),
+    NotScheduleOwner(String),
     NoDeadLetter {
         sink: String,
         position: Position,
@@ -67,7 +70,9 @@ impl Error {
             },
             Error::UnknownConsumer(_) => ERRCODE_UNDEFINED_OBJECT,
             Error::ConsumerExists(_) => ERRCODE_DUPLICATE_OBJECT,
-            Error::NotOwner { .. } => ERRCODE_INSUFFICIENT_PRIVILEGE,
+            Error::NotOwner { .. } | Error::ScheduleDenied(_) | Error::NotScheduleOwner(_) => {
+                ERRCODE_INSUFFICIENT_PRIVILEGE
+            }
             Error::BeyondHorizon { .. } => ERRCODE_INVALID_PARAMETER_VALUE,
             Error::NotInstalled => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::NotPreloaded => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -98,6 +103,12 @@ impl Error {
             Error::NotPull { name, kind } => format!("\"{name}\" is a {kind}, not a pull consumer"),
             Error::NotASink(name) => format!("\"{name}\" is not a sink"),
             Error::NotASubscription(name) => format!("\"{name}\" is not a subscription"),
+            Error::ScheduleDenied(function) => {
+                format!("permission denied to schedule runs of {function}")
+            }
+            Error::NotScheduleOwner(name) => {
+                format!("permission denied to drop schedule \"{name}\"")
+            }
             Error::NoDeadLetter { sink, position } => {
                 format!("sink \"{sink}\" has no dead letter at position {position}")
             }
@@ -122,6 +133,12 @@ impl Error {
         match self {
             Error::Invalid(e) => e.hint.clone(),
             Error::UnknownConsumer(_) => Some("create it with outbox.create_consumer()".into()),
+            Error::ScheduleDenied(_) => Some(
+                "a schedule writes as the extension's owner: the scheduling role needs EXECUTE on what its runs call".into(),
+            ),
+            Error::NotScheduleOwner(_) => {
+                Some("only members of the role that created the schedule may drop it".into())
+            }
             Error::NotOwner { .. } => {
                 Some("only members of the role that created the consumer may change it".into())
             }

@@ -16,6 +16,7 @@ mod raise;
 mod raw;
 mod read_rule;
 mod replay;
+mod schedule;
 mod settings;
 mod sink;
 mod subscription;
@@ -31,6 +32,7 @@ pgrx::pg_module_magic!();
 pgrx::extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
 pgrx::extension_sql_file!("sql/sinks.sql", name = "sinks", requires = ["schema"]);
 pgrx::extension_sql_file!("sql/jobs.sql", name = "jobs", requires = ["schema"]);
+pgrx::extension_sql_file!("sql/schedules.sql", name = "schedules", requires = ["jobs"]);
 pgrx::extension_sql_file!(
     "sql/subscriptions.sql",
     name = "subscriptions",

@@ -5,6 +5,7 @@
 //! datum to the INSERT, so these types keep the datum as Postgres gave it.
 
 use pgrx::callconv::{Arg, ArgAbi};
+use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys;
 use pgrx::pgrx_sql_entity_graph::metadata::{
     ArgumentError, ReturnsError, ReturnsRef, SqlMappingRef, SqlTranslatable, TypeOrigin,
@@ -70,6 +71,19 @@ raw_datum_type!(
     /// A `regprocedure` argument: a function oid, resolved from its signature by the caller's cast.
     RawRegprocedure, "regprocedure", pg_sys::REGPROCEDUREOID
 );
+
+raw_datum_type!(
+    /// A `time` argument, passed through as it came: pgrx's `Time` wraps 24:00 (which `time`
+    /// accepts) to 00:00, and the SQL that checks it must see 24:00 to refuse it.
+    RawTime, "time", pg_sys::TIMEOID
+);
+
+impl RawTime {
+    pub fn datum(self) -> DatumWithOid<'static> {
+        // SAFETY: a time datum (int8 microseconds, by value) typed as time.
+        unsafe { DatumWithOid::new(self.0, pg_sys::TIMEOID) }
+    }
+}
 
 impl RawRegprocedure {
     pub fn oid(self) -> pg_sys::Oid {

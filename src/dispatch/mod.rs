@@ -79,7 +79,7 @@ pub struct DueSinks {
 /// missing: the caller skips its step, so the worker never waits behind DDL, and DDL waits at
 /// most for the step in flight, never deadlocks with it.
 pub fn lock_tables() -> bool {
-    const TABLES: [&std::ffi::CStr; 8] = [
+    const TABLES: [&std::ffi::CStr; 9] = [
         c"events",
         c"events_seq",
         c"consumers",
@@ -88,6 +88,7 @@ pub fn lock_tables() -> bool {
         c"dead_letters",
         c"jobs",
         c"subscriptions",
+        c"schedules",
     ];
     // SAFETY: catalog lookups and lock-manager calls in a transaction; a lock that cannot be had
     // returns false instead of waiting.

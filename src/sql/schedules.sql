@@ -373,3 +373,27 @@ LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
      ORDER BY s.next_run
      LIMIT 1
 $$;
+
+-- outbox.schedule_status(): one row per schedule, for operators.
+CREATE FUNCTION outbox.schedule_status()
+RETURNS TABLE (
+    name     text,
+    form     text,            -- 'every 00:00:30' or 'daily 02:30:00 America/New_York' (or 'weekly on monday ...')
+    target   text,            -- 'topic <topic>' or 'queue <queue>'
+    next_run timestamptz,
+    last_run timestamptz,
+    fired    bigint,
+    owner    name
+)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT s.name,
+           CASE WHEN s.every IS NOT NULL THEN 'every ' || s.every::text
+                WHEN s.weekly_on IS NOT NULL
+                THEN 'weekly on ' || (ARRAY['sunday','monday','tuesday','wednesday','thursday','friday','saturday'])[s.weekly_on + 1]
+                     || ' at ' || s.daily_at::text || ' ' || s.zone
+                ELSE 'daily at ' || s.daily_at::text || ' ' || s.zone END,
+           CASE WHEN s.topic IS NOT NULL THEN 'topic ' || s.topic ELSE 'queue ' || s.queue END,
+           s.next_run, s.last_run, s.fired, r.rolname
+      FROM outbox.schedules s LEFT JOIN pg_catalog.pg_roles r ON r.oid = s.owner
+     ORDER BY s.name
+$$;

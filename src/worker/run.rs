@@ -121,14 +121,17 @@ impl Worker {
             let state = installed();
             let ready = state == Installed::Ready;
             let sinks = ready.then(|| dispatch::due_sinks(self.slot));
-            let subscriptions = if ready {
-                dispatch::fanout::active(self.slot)
+            let (subscriptions, schedule_due_in) = if ready && dispatch::lock_tables() {
+                (
+                    dispatch::fanout::active(self.slot),
+                    crate::schedule::due_in(),
+                )
             } else {
-                Vec::new()
+                (Vec::new(), None)
             };
-            (state, sinks, subscriptions)
+            (state, sinks, subscriptions, schedule_due_in)
         });
-        let (state, sinks, subscriptions) = match round {
+        let (state, sinks, subscriptions, schedule_due_in) = match round {
             Ok(round) => round,
             Err(e) => {
                 self.failed(&e.to_string());
@@ -220,6 +223,16 @@ impl Worker {
         }
         if let Some(next) = sinks.next_attempt_in {
             sleep = sleep.min(next);
+        }
+        // Due schedules fire in one statement; with several workers each run fires once.
+        match schedule_due_in {
+            Some(0) => match in_transaction(crate::schedule::fire_due) {
+                // Look again soon: the next run, or a run that came due meanwhile.
+                Ok(_) => sleep = sleep.min(Duration::from_millis(1)),
+                Err(e) => self.failed(&format!("firing schedules: {e}")),
+            },
+            Some(ms) => sleep = sleep.min(Duration::from_millis(ms as u64)),
+            None => {}
         }
         let (more, next_job) = self.subscriptions(&subscriptions, &mut contended);
         busy |= more;

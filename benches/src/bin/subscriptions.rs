@@ -1,0 +1,200 @@
+//! Subscriptions benchmark: the fan-out cost per event per subscription with 1, 10 and 100
+//! filtered subscriptions, and how many jobs per second the workers run through a trivial SQL
+//! handler. Starts its own throwaway cluster (fsync on, pg_outbox preloaded), prints tables,
+//! stops the cluster.
+//!
+//! Run through `bash benches/subscriptions.sh` (builds and installs the release build first).
+//! BENCH_EVENTS (default 20000) sets the events per fan-out run, BENCH_JOBS (default 100000) the
+//! jobs per run of the handler.
+
+use pg_outbox_benches::{env_or, head};
+use pg_outbox_tests::{eventually, Cluster};
+use postgres::Client;
+use std::time::{Duration, Instant};
+
+const SETUP: &str = "
+    CREATE EXTENSION pg_outbox;
+    CREATE TABLE done (k bigint);
+    -- The trivial handler: one row per job.
+    CREATE FUNCTION work(e outbox.event) RETURNS void LANGUAGE sql AS $$
+        INSERT INTO public.done VALUES ((e.payload->>'k')::bigint)
+    $$;";
+
+/// Raises `n` events `{k, amount 0..99}` in transactions of 10,000, tenants acme and globex.
+fn raise(c: &mut Client, n: i64) {
+    let mut raised = 0i64;
+    while raised < n {
+        let upto = (raised + 10_000).min(n);
+        c.execute(
+            "SELECT outbox.raise_many(ARRAY['orders.created'], \
+                    array_agg(jsonb_build_object('k', i, 'amount', i % 100, 'currency', 'EUR') ORDER BY i), \
+                    tenants => array_agg(CASE WHEN i % 2 = 0 THEN 'acme' ELSE 'globex' END ORDER BY i)) \
+               FROM generate_series($1::int8 + 1, $2::int8) i",
+            &[&raised, &upto],
+        )
+        .unwrap();
+        raised = upto;
+    }
+}
+
+/// Waits until every subscription's cursor has reached `position`.
+fn wait_for_subscriptions(c: &mut Client, position: &str, within: Duration) {
+    let (txid, seq) = position.split_once(':').unwrap();
+    let (txid, seq): (String, i64) = (txid.to_string(), seq.parse().unwrap());
+    eventually("subscriptions to catch up", within, || {
+        let behind: i64 = c
+            .query_one(
+                "SELECT count(*) FROM outbox.consumers WHERE kind = 'subscription' \
+                    AND (txid, seq) < ($1::text::xid8, $2)",
+                &[&txid, &seq],
+            )
+            .unwrap()
+            .get(0);
+        (behind == 0).then_some(())
+    });
+}
+
+/// Microseconds of wall-clock time per event per subscription: `subs` paused subscriptions with
+/// a filter each, `events` waiting, then all resumed at once.
+fn fanout(c: &mut Client, subs: usize, events: i64) -> (f64, i64) {
+    for s in 0..subs {
+        c.execute(
+            "SELECT outbox.subscribe($1, '{orders.*}', queue => 'fan', start_at => 'now', filter => $2)",
+            &[
+                &format!("fan_{s}"),
+                &format!("payload.amount > {} && tenant == \"acme\"", 90 - s % 10),
+            ],
+        )
+        .unwrap();
+        c.execute(
+            "SELECT outbox.pause_subscription($1)",
+            &[&format!("fan_{s}")],
+        )
+        .unwrap();
+    }
+    raise(c, events);
+    let last = head(c);
+    c.batch_execute("CHECKPOINT").unwrap();
+    let start = Instant::now();
+    for s in 0..subs {
+        c.execute(
+            "SELECT outbox.resume_subscription($1)",
+            &[&format!("fan_{s}")],
+        )
+        .unwrap();
+    }
+    wait_for_subscriptions(c, &last, Duration::from_secs(600));
+    let elapsed = start.elapsed();
+    let jobs: i64 = c
+        .query_one("SELECT count(*) FROM outbox.jobs", &[])
+        .unwrap()
+        .get(0);
+    for s in 0..subs {
+        c.execute("SELECT outbox.unsubscribe($1)", &[&format!("fan_{s}")])
+            .unwrap();
+    }
+    c.batch_execute("DELETE FROM outbox.jobs").unwrap();
+    (
+        elapsed.as_secs_f64() * 1e6 / (events as f64 * subs as f64),
+        jobs,
+    )
+}
+
+/// Jobs per second the workers run through `work(outbox.event)`. With `fan_out`, the clock covers
+/// the fan-out of `jobs` waiting events too; without, the jobs are already queued.
+fn handler_jobs(c: &mut Client, jobs: i64, fan_out: bool) -> f64 {
+    c.batch_execute(
+        "TRUNCATE done;
+         SELECT outbox.subscribe('work', '{orders.*}', handler => 'work(outbox.event)', start_at => 'now');
+         SELECT outbox.pause_subscription('work');",
+    )
+    .unwrap();
+    raise(c, jobs);
+    if !fan_out {
+        // Fan out while paused for jobs is not possible; queue the jobs as fan-out would.
+        c.batch_execute(
+            "INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler)
+             SELECT 'work', to_jsonb(r), r.id::text, r.id, 'work', 'work(outbox.event)'::regprocedure
+               FROM outbox.consumers c, outbox._read_after(c.txid, c.seq, 100000000) r
+              WHERE c.name = 'work';
+             UPDATE outbox.consumers SET (txid, seq) = (SELECT txid, seq FROM outbox.events ORDER BY txid DESC, seq DESC LIMIT 1)
+              WHERE name = 'work';
+             VACUUM ANALYZE outbox.jobs;",
+        )
+        .unwrap();
+    }
+    c.batch_execute("CHECKPOINT").unwrap();
+    let start = Instant::now();
+    c.batch_execute("SELECT outbox.resume_subscription('work')")
+        .unwrap();
+    eventually("the jobs to run", Duration::from_secs(600), || {
+        let ran: i64 = c
+            .query_one("SELECT count(*) FROM done", &[])
+            .unwrap()
+            .get(0);
+        (ran >= jobs).then_some(())
+    });
+    let rate = jobs as f64 / start.elapsed().as_secs_f64();
+    let (ran, distinct, left): (i64, i64, i64) = {
+        let r = c
+            .query_one(
+                "SELECT count(*), count(DISTINCT k), (SELECT count(*) FROM outbox.jobs) FROM done",
+                &[],
+            )
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!((ran, distinct, left), (jobs, jobs, 0), "every job ran once");
+    c.batch_execute("SELECT outbox.unsubscribe('work')")
+        .unwrap();
+    rate
+}
+
+fn main() {
+    let events: i64 = env_or("BENCH_EVENTS", 20_000);
+    let jobs: i64 = env_or("BENCH_JOBS", 100_000);
+    let cluster = Cluster::start_with(
+        "pg_outbox_bench_subs",
+        &[
+            "shared_buffers = '1GB'",
+            "max_wal_size = '4GB'",
+            "checkpoint_timeout = '30min'",
+            "pg_outbox.database = 'bench'",
+        ],
+    );
+    let result = std::panic::catch_unwind(|| {
+        let mut admin = cluster.connect("postgres", "postgres");
+        admin.batch_execute("CREATE DATABASE bench").unwrap();
+        let mut c = cluster.connect("bench", "postgres");
+        c.batch_execute(SETUP).unwrap();
+        cluster.wait_for_workers("bench");
+        let version: String = c.query_one("SHOW server_version", &[]).unwrap().get(0);
+        let workers: String = c.query_one("SHOW pg_outbox.workers", &[]).unwrap().get(0);
+        println!(
+            "\npg_outbox subscriptions benchmark: PostgreSQL {version}, fsync on, {workers} workers"
+        );
+        println!(
+            "fan-out: {events} waiting events, each subscription filtering with \
+             `payload.amount > N && tenant == \"acme\"` (about 5% match, a job each)\n"
+        );
+        println!(
+            "{:<16} {:>22} {:>12}",
+            "subscriptions", "µs per event per sub", "jobs written"
+        );
+        for subs in [1, 10, 100] {
+            let (us, written) = fanout(&mut c, subs, events);
+            println!("{subs:<16} {us:>22.2} {written:>12}");
+        }
+        println!("\njobs run by the workers through a one-INSERT SQL handler ({jobs} jobs)\n");
+        println!("{:<40} {:>12}", "", "jobs/s");
+        let queued = handler_jobs(&mut c, jobs, false);
+        println!("{:<40} {:>12.0}", "already queued", queued);
+        let fanned = handler_jobs(&mut c, jobs, true);
+        println!("{:<40} {:>12.0}", "fan-out and run, end to end", fanned);
+        println!();
+    });
+    cluster.stop();
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+}

@@ -1,0 +1,605 @@
+//! Schedules: refusals, the next run across clock changes (spring forward runs where the gap
+//! ends, fall back runs once), missed runs firing once, two sessions firing at once, and the
+//! workers firing each run exactly once.
+//!
+//! Instants are compared as UTC text ('YYYY-MM-DD HH24:MI:SS'), rendered with AT TIME ZONE 'UTC'
+//! so that the session's TimeZone, which must not matter, cannot change the expectation either.
+
+use pg_outbox_tests::postgres::Client;
+use pg_outbox_tests::{eventually, sqlstate, test_db, worker_db};
+use std::time::{Duration, Instant};
+
+/// An SQL timestamptz expression as UTC text.
+fn utc(c: &mut Client, expr: &str) -> String {
+    let sql = format!("SELECT to_char(({expr}) AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')");
+    c.query_one(&sql, &[])
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .get(0)
+}
+
+fn fired(c: &mut Client, name: &str) -> i64 {
+    c.query_one(
+        "SELECT coalesce((SELECT fired FROM outbox.schedules WHERE name = $1), -1)",
+        &[&name],
+    )
+    .unwrap()
+    .get(0)
+}
+
+#[test]
+fn schedule_refuses_bad_input_with_sqlstates() {
+    let db = test_db("sched_refusals");
+    let mut c = db.connect();
+    c.batch_execute("SELECT outbox.schedule('dup', every => '1 hour', queue => 'q')")
+        .unwrap();
+    for (sql, code) in [
+        // Names.
+        ("SELECT outbox.schedule(NULL, every => '1 minute', queue => 'q')", "22004"),
+        ("SELECT outbox.schedule('', every => '1 minute', queue => 'q')", "42602"),
+        ("SELECT outbox.schedule('bad name', every => '1 minute', queue => 'q')", "42602"),
+        ("SELECT outbox.schedule('x''; drop table outbox.schedules; --', every => '1 minute', queue => 'q')", "42602"),
+        ("SELECT outbox.schedule('dup', every => '1 minute', queue => 'q')", "42710"),
+        // Neither or both forms.
+        ("SELECT outbox.schedule('s', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', every => '1 minute', daily_at => '02:30', zone => 'UTC', queue => 'q')", "22023"),
+        // every: positive, at least a second, a fixed length, and with nothing of the other form.
+        ("SELECT outbox.schedule('s', every => '0 seconds', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', every => '-1 minute', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', every => '500 milliseconds', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', every => '1 month', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', every => '1 year', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', every => '1 mon -30 days', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', every => '3651 days', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', every => '1 hour', zone => 'UTC', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', every => '1 hour', weekly_on => 'monday', queue => 'q')", "22023"),
+        // daily_at, zone and weekly_on.
+        ("SELECT outbox.schedule('s', daily_at => '02:30', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', zone => 'UTC', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', weekly_on => 'monday', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', daily_at => '24:00', zone => 'UTC', queue => 'q')", "22023"),
+        // Not a time at all: the time type's own error.
+        ("SELECT outbox.schedule('s', daily_at => '25:00', zone => 'UTC', queue => 'q')", "22008"),
+        ("SELECT outbox.schedule('s', daily_at => '02:30', zone => 'Mars/Olympus_Mons', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', daily_at => '02:30', zone => 'PST', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', daily_at => '02:30', zone => 'CEST', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', daily_at => '02:30', zone => '+02', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', daily_at => '02:30', zone => 'UTC+3', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', daily_at => '02:30', zone => '', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', daily_at => '02:30', zone => 'UTC', weekly_on => 'mondays', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', daily_at => '02:30', zone => 'UTC', weekly_on => 'mo', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', daily_at => '02:30', zone => 'UTC', weekly_on => '1', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', daily_at => '02:30', zone => 'UTC', weekly_on => '', queue => 'q')", "22023"),
+        // What a run writes.
+        ("SELECT outbox.schedule('s', every => '1 minute')", "22023"),
+        ("SELECT outbox.schedule('s', every => '1 minute', topic => 'a.b', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', every => '1 minute', queue => 'bad queue')", "42602"),
+        ("SELECT outbox.schedule('s', every => '1 minute', topic => 'order placed')", "22023"),
+        ("SELECT outbox.schedule('s', every => '1 minute', queue => 'q', payload => '[1]')", "22023"),
+        ("SELECT outbox.schedule('s', every => '1 minute', queue => 'q', payload => '\"x\"')", "22023"),
+        ("SELECT outbox.unschedule(NULL)", "22004"),
+    ] {
+        assert_eq!(sqlstate(&mut c, sql), code, "{sql}");
+    }
+    let names: Vec<String> = c
+        .query("SELECT name FROM outbox.schedules", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(names, ["dup"], "nothing refused was stored");
+
+    // What is accepted: every's first run is one interval away; a zone is stored in its own
+    // spelling, a day as its number; the session's TimeZone changes nothing.
+    let first_in: f64 = c
+        .query_one(
+            "SELECT extract(epoch FROM outbox.schedule('tick', every => '90 seconds', queue => 'q') - now())::float8",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(first_in, 90.0);
+    c.batch_execute(
+        "SET TimeZone = 'UTC';
+         SELECT outbox.schedule('weekly', daily_at => '09:15', zone => 'europe/berlin', weekly_on => 'SAT',
+                                topic => 'report.weekly', payload => '{\"k\": 1}');
+         SET TimeZone = 'Pacific/Auckland';
+         SELECT outbox.schedule('weekly2', daily_at => '09:15', zone => 'Europe/Berlin', weekly_on => 'saturday',
+                                topic => 'report.weekly');",
+    )
+    .unwrap();
+    let row = c
+        .query_one(
+            "SELECT zone, weekly_on::int4, extract(dow FROM next_run AT TIME ZONE zone)::int4,
+                    to_char(next_run AT TIME ZONE zone, 'HH24:MI'), payload::text, next_run > now(),
+                    next_run <= now() + interval '7 days'
+               FROM outbox.schedules WHERE name = 'weekly'",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(
+        (
+            row.get::<_, String>(0),
+            row.get::<_, i32>(1),
+            row.get::<_, i32>(2),
+            row.get::<_, String>(3),
+            row.get::<_, String>(4),
+            row.get::<_, bool>(5),
+            row.get::<_, bool>(6),
+        ),
+        (
+            "Europe/Berlin".to_string(),
+            6,
+            6,
+            "09:15".to_string(),
+            "{\"k\": 1}".to_string(),
+            true,
+            true
+        )
+    );
+    let same: bool = c
+        .query_one(
+            "SELECT count(DISTINCT next_run) = 1 FROM outbox.schedules WHERE name IN ('weekly', 'weekly2')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        same,
+        "the session's TimeZone does not move a wall-clock run"
+    );
+
+    let dropped: bool = c
+        .query_one("SELECT outbox.unschedule('tick')", &[])
+        .unwrap()
+        .get(0);
+    assert!(dropped);
+    let again: bool = c
+        .query_one("SELECT outbox.unschedule('tick')", &[])
+        .unwrap()
+        .get(0);
+    assert!(!again, "an unknown schedule is not an error, but false");
+}
+
+#[test]
+fn the_next_run_follows_the_zones_clocks_whatever_the_session_time_zone() {
+    let db = test_db("sched_next_run");
+    let mut c = db.connect();
+    // (what, _next_run arguments, the run in UTC)
+    let cases = [
+        // America/New_York springs forward on 2026-03-08: 02:00 EST becomes 03:00 EDT (07:00 UTC).
+        (
+            "02:30 on the spring-forward day runs where the gap ends, 03:00 EDT",
+            "NULL, '02:30', 'America/New_York', NULL, '2026-03-07 12:00Z', NULL",
+            "2026-03-08 07:00:00",
+        ),
+        (
+            "any time in the gap runs at its end",
+            "NULL, '02:59:59', 'America/New_York', NULL, '2026-03-07 12:00Z', NULL",
+            "2026-03-08 07:00:00",
+        ),
+        (
+            "03:00 exists and is the same instant",
+            "NULL, '03:00', 'America/New_York', NULL, '2026-03-07 12:00Z', NULL",
+            "2026-03-08 07:00:00",
+        ),
+        (
+            "then 02:30 EDT the next day",
+            "NULL, '02:30', 'America/New_York', NULL, '2026-03-08 07:00Z', '2026-03-08 07:00Z'",
+            "2026-03-09 06:30:00",
+        ),
+        // It falls back on 2026-11-01: 01:00-02:00 happens twice, EDT (05:00-06:00 UTC) then EST
+        // (06:00-07:00 UTC). The run is the later 01:30, once.
+        (
+            "01:30 on the fall-back day runs at 01:30 EST",
+            "NULL, '01:30', 'America/New_York', NULL, '2026-10-31 12:00Z', NULL",
+            "2026-11-01 06:30:00",
+        ),
+        (
+            "after the first 01:30 (EDT) has passed, the second one still runs",
+            "NULL, '01:30', 'America/New_York', NULL, '2026-11-01 05:45Z', NULL",
+            "2026-11-01 06:30:00",
+        ),
+        (
+            "fired at 01:30 EST, the next is the next day",
+            "NULL, '01:30', 'America/New_York', NULL, '2026-11-01 06:30Z', '2026-11-01 06:30Z'",
+            "2026-11-02 06:30:00",
+        ),
+        (
+            "a run already fired that date (at 01:30 EDT) is not run again at 01:30 EST",
+            "NULL, '01:30', 'America/New_York', NULL, '2026-11-01 05:30Z', '2026-11-01 05:30Z'",
+            "2026-11-02 06:30:00",
+        ),
+        // Europe/Berlin: 2026-03-29 02:00 CET -> 03:00 CEST; 2026-10-25 03:00 CEST -> 02:00 CET.
+        (
+            "Berlin 02:30 on its spring-forward day: 03:00 CEST",
+            "NULL, '02:30', 'Europe/Berlin', NULL, '2026-03-28 12:00Z', NULL",
+            "2026-03-29 01:00:00",
+        ),
+        (
+            "Berlin 02:30 on its fall-back day: 02:30 CET, the later",
+            "NULL, '02:30', 'Europe/Berlin', NULL, '2026-10-24 12:00Z', NULL",
+            "2026-10-25 01:30:00",
+        ),
+        // Lord Howe Island moves by 30 minutes: 2026-10-04 02:00 (+10:30) -> 02:30 (+11).
+        (
+            "a 30-minute gap ends at 02:30 +11",
+            "NULL, '02:15', 'Australia/Lord_Howe', NULL, '2026-10-03 00:00Z', NULL",
+            "2026-10-03 15:30:00",
+        ),
+        // weekly_on (0 = Sunday): the spring-forward Sunday, and a Monday already past.
+        (
+            "weekly on Sunday 02:30 from a Wednesday: the gap's end that Sunday",
+            "NULL, '02:30', 'America/New_York', 0::smallint, '2026-03-04 12:00Z', NULL",
+            "2026-03-08 07:00:00",
+        ),
+        (
+            "weekly on Monday 09:00, asked at Monday 08:00 EDT: that day",
+            "NULL, '09:00', 'America/New_York', 1::smallint, '2026-03-09 12:00Z', NULL",
+            "2026-03-09 13:00:00",
+        ),
+        (
+            "weekly on Monday 09:00, asked at Monday 10:00 EDT: a week later",
+            "NULL, '09:00', 'America/New_York', 1::smallint, '2026-03-09 14:00Z', NULL",
+            "2026-03-16 13:00:00",
+        ),
+        // Missed runs fire once: the next is the next regular time after now.
+        (
+            "daily, last fired three days ago, now noon: tomorrow 02:30",
+            "NULL, '02:30', 'America/New_York', NULL, '2026-03-12 16:00Z', '2026-03-09 06:30Z'",
+            "2026-03-13 06:30:00",
+        ),
+        (
+            "every 10 minutes, missed for three days: the next slot of the grid",
+            "'10 minutes', NULL, NULL, NULL, '2026-03-10 12:34:56Z', '2026-03-07 12:00Z'",
+            "2026-03-10 12:40:00",
+        ),
+        // every is a fixed length, the clocks notwithstanding.
+        (
+            "every 1 day across the spring-forward is 86400 s (13:00 EDT after 12:00 EST)",
+            "'1 day', NULL, NULL, NULL, '2026-03-07 17:00Z', '2026-03-07 17:00Z'",
+            "2026-03-08 17:00:00",
+        ),
+        (
+            "a new every schedule first runs one interval later",
+            "'1 hour', NULL, NULL, NULL, '2026-03-08 06:10Z', NULL",
+            "2026-03-08 07:10:00",
+        ),
+        (
+            "a run exactly at `after` is not after it",
+            "'7 seconds', NULL, NULL, NULL, '2026-03-07 12:00:14Z', '2026-03-07 12:00:00Z'",
+            "2026-03-07 12:00:21",
+        ),
+    ];
+    for tz in [
+        "UTC",
+        "America/New_York",
+        "Asia/Kolkata",
+        "Australia/Lord_Howe",
+    ] {
+        c.batch_execute(&format!("SET TimeZone = '{tz}'")).unwrap();
+        for (what, args, expected) in cases {
+            assert_eq!(
+                utc(&mut c, &format!("outbox._next_run({args})")),
+                expected,
+                "{what} (session TimeZone {tz})"
+            );
+        }
+    }
+    // The local times of those runs, for the record: the gap's end and the later 01:30.
+    assert_eq!(
+        c.query_one(
+            "SELECT to_char(outbox._next_run(NULL, '02:30', 'America/New_York', NULL, '2026-03-07 12:00Z', NULL)
+                            AT TIME ZONE 'America/New_York', 'YYYY-MM-DD HH24:MI'),
+                    to_char(outbox._next_run(NULL, '01:30', 'America/New_York', NULL, '2026-10-31 12:00Z', NULL)
+                            AT TIME ZONE 'America/New_York', 'YYYY-MM-DD HH24:MI')",
+            &[],
+        )
+        .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+        .unwrap(),
+        ("2026-03-08 03:00".to_string(), "2026-11-01 01:30".to_string())
+    );
+    // The gap's end to the microsecond: the instant before it is still 01:59:59.999999 EST.
+    assert_eq!(
+        c.query_one(
+            "SELECT outbox._zoned_instant('2026-03-08 02:30', 'America/New_York') = '2026-03-08 07:00Z',
+                    ('2026-03-08 07:00Z'::timestamptz - interval '1 microsecond') AT TIME ZONE 'America/New_York'
+                        = '2026-03-08 01:59:59.999999'",
+            &[],
+        )
+        .map(|r| (r.get::<_, bool>(0), r.get::<_, bool>(1)))
+        .unwrap(),
+        (true, true)
+    );
+}
+
+#[test]
+fn a_missed_wall_clock_run_fires_once_late_and_two_sessions_never_fire_it_twice() {
+    let db = test_db("sched_late");
+    let mut a = db.connect();
+    let mut b = db.connect();
+    let none: Option<i64> = a
+        .query_one("SELECT outbox._schedule_due_in()", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(none, None, "no schedules, nothing to wait for");
+    // A local time six hours ago (so the next regular run is hours away), fired last three days
+    // ago at that time: the worker was down. Tokyo keeps no DST, so the next run is at daily_at
+    // whatever day the test runs (the clock changes are the test above); the session's TimeZone
+    // is another zone, and must not matter.
+    a.batch_execute(
+        "SET TimeZone = 'America/New_York';
+         SELECT outbox.schedule('late', daily_at => date_trunc('minute', (now() AT TIME ZONE 'Asia/Tokyo') - interval '6 hours')::time,
+                                zone => 'Asia/Tokyo', queue => 'late-q', payload => '{\"n\": 1}');",
+    )
+    .unwrap();
+    let wait_ms: i64 = a
+        .query_one("SELECT outbox._schedule_due_in()", &[])
+        .unwrap()
+        .get(0);
+    assert!(
+        wait_ms > 3_600_000 && wait_ms <= 25 * 3_600_000,
+        "the first run is the next regular time, not {wait_ms} ms away"
+    );
+    let forced: String = a
+        .query_one(
+            "UPDATE outbox.schedules SET next_run = outbox._zoned_instant((now() AT TIME ZONE zone)::date - 3 + daily_at, zone)
+              WHERE name = 'late'
+             RETURNING to_char(next_run AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let due: i64 = a
+        .query_one("SELECT outbox._schedule_due_in()", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(due, 0);
+
+    // Two sessions fire at once: a holds the run while b tries. b skips it at once (a wait
+    // would hit the lock timeout), and once a has committed the run is no longer due.
+    b.batch_execute("SET lock_timeout = '5s'").unwrap();
+    a.batch_execute("BEGIN").unwrap();
+    let by_a: i32 = a
+        .query_one("SELECT outbox._fire_schedules()", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(by_a, 1);
+    let started = Instant::now();
+    let by_b: i32 = b
+        .query_one("SELECT outbox._fire_schedules()", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(by_b, 0, "the run a is firing is not fired by b");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "b did not wait for a"
+    );
+    a.batch_execute("COMMIT").unwrap();
+    for c in [&mut a, &mut b] {
+        let n: i32 = c
+            .query_one("SELECT outbox._fire_schedules()", &[])
+            .unwrap()
+            .get(0);
+        assert_eq!(n, 0, "fired once, however many runs were missed");
+    }
+
+    let jobs: Vec<(String, String)> = a
+        .query(
+            "SELECT key, payload::text FROM outbox.jobs WHERE queue = 'late-q'",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        jobs,
+        [(format!("late@{forced}"), "{\"n\": 1}".to_string())],
+        "one job, keyed by the run it stands for"
+    );
+    let row = a
+        .query_one(
+            "SELECT fired, last_run IS NOT NULL,
+                    (next_run AT TIME ZONE zone)::time = daily_at,
+                    next_run > last_run AND next_run - last_run < interval '25 hours',
+                    next_run = outbox._next_run(NULL, daily_at, zone, NULL, last_run, NULL)
+               FROM outbox.schedules WHERE name = 'late'",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(
+        (
+            row.get::<_, i64>(0),
+            row.get::<_, bool>(1),
+            row.get::<_, bool>(2),
+            row.get::<_, bool>(3),
+            row.get::<_, bool>(4),
+        ),
+        (1, true, true, true, true),
+        "fired once, and moved to the next regular time"
+    );
+    let dropped: bool = a
+        .query_one("SELECT outbox.unschedule('late')", &[])
+        .unwrap()
+        .get(0);
+    assert!(dropped);
+    let none: Option<i64> = a
+        .query_one("SELECT outbox._schedule_due_in()", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(none, None);
+}
+
+#[test]
+fn the_workers_fire_each_run_exactly_once() {
+    let db = worker_db("sched_worker");
+    let mut c = db.connect();
+    let start = Instant::now();
+    c.batch_execute(
+        "SELECT outbox.schedule('tick-q', every => '1 second', queue => 'ticks', payload => '{\"n\": 1}');
+         SELECT outbox.schedule('tick-e', every => '1 second', topic => 'sched.tick');
+         SELECT outbox.schedule('late', daily_at => date_trunc('minute', (now() AT TIME ZONE 'Asia/Tokyo') - interval '6 hours')::time,
+                                zone => 'Asia/Tokyo', topic => 'sched.late');",
+    )
+    .unwrap();
+    // The daily run of three days ago was missed (Tokyo: no DST, as in the test above).
+    let forced: String = c
+        .query_one(
+            "UPDATE outbox.schedules SET next_run = outbox._zoned_instant((now() AT TIME ZONE zone)::date - 3 + daily_at, zone)
+              WHERE name = 'late'
+             RETURNING to_char(next_run AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    eventually("the missed run to fire", Duration::from_secs(15), || {
+        (fired(&mut c, "late") >= 1).then_some(())
+    });
+    let ticks_then = fired(&mut c, "tick-e");
+    // Two more passes of the workers after it fired, and four runs of each tick.
+    eventually(
+        "the ticks to fire four times",
+        Duration::from_secs(20),
+        || {
+            let (q, e) = (fired(&mut c, "tick-q"), fired(&mut c, "tick-e"));
+            (q >= 4 && e >= 4 && e >= ticks_then + 2).then_some(())
+        },
+    );
+    let elapsed = start.elapsed();
+
+    // One snapshot: a run and its job or event commit together, so the counts must match.
+    let row = c
+        .query_one(
+            "SELECT (SELECT fired FROM outbox.schedules WHERE name = 'tick-q'),
+                    (SELECT count(*) FROM outbox.jobs WHERE queue = 'ticks'),
+                    (SELECT count(DISTINCT key) FROM outbox.jobs WHERE queue = 'ticks'),
+                    (SELECT fired FROM outbox.schedules WHERE name = 'tick-e'),
+                    (SELECT count(*) FROM outbox.events WHERE headers->>'schedule' = 'tick-e'),
+                    (SELECT count(DISTINCT headers->>'scheduled_for') FROM outbox.events WHERE headers->>'schedule' = 'tick-e')",
+            &[],
+        )
+        .unwrap();
+    let (q_fired, jobs, job_keys, e_fired, events, runs): (i64, i64, i64, i64, i64, i64) = (
+        row.get(0),
+        row.get(1),
+        row.get(2),
+        row.get(3),
+        row.get(4),
+        row.get(5),
+    );
+    assert_eq!(
+        jobs, q_fired,
+        "one job per run (a run fired twice would be one job: same key)"
+    );
+    assert_eq!(job_keys, jobs);
+    assert_eq!(events, e_fired, "one event per run");
+    assert_eq!(runs, events, "no run raised twice");
+    // The k-th run is k seconds after the schedule was made: no more runs than seconds passed.
+    for n in [q_fired, e_fired] {
+        assert!(
+            n as f64 <= elapsed.as_secs_f64() + 0.5,
+            "{n} runs in {elapsed:?}: faster than once a second"
+        );
+    }
+    // The runs keep to the 1 s grid: whole seconds apart, never the same.
+    for sql in [
+        "SELECT bool_and(d >= 1 AND d = trunc(d)) FROM (
+            SELECT extract(epoch FROM t - lag(t) OVER (ORDER BY t)) AS d
+              FROM (SELECT split_part(key, '@', 2)::timestamptz AS t FROM outbox.jobs WHERE queue = 'ticks') r) g",
+        "SELECT bool_and(d >= 1 AND d = trunc(d)) FROM (
+            SELECT extract(epoch FROM t - lag(t) OVER (ORDER BY t)) AS d
+              FROM (SELECT (headers->>'scheduled_for')::timestamptz AS t FROM outbox.events
+                     WHERE headers->>'schedule' = 'tick-e') r) g",
+    ] {
+        let on_grid: Option<bool> = c.query_one(sql, &[]).unwrap().get(0);
+        assert_eq!(on_grid, Some(true), "{sql}");
+    }
+
+    // The missed daily run: once, late, for the time it was due; then the next regular time.
+    let late: Vec<(String, String)> = c
+        .query(
+            "SELECT headers->>'scheduled_for', payload::text FROM outbox.events WHERE topic = 'sched.late'",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(late, [(forced, "{}".to_string())]);
+    let row = c
+        .query_one(
+            "SELECT fired, (next_run AT TIME ZONE zone)::time = daily_at,
+                    next_run > now() AND next_run - last_run < interval '25 hours'
+               FROM outbox.schedules WHERE name = 'late'",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(
+        (
+            row.get::<_, i64>(0),
+            row.get::<_, bool>(1),
+            row.get::<_, bool>(2)
+        ),
+        (1, true, true)
+    );
+
+    for name in ["tick-q", "tick-e", "late"] {
+        let dropped: bool = c
+            .query_one("SELECT outbox.unschedule($1)", &[&name])
+            .unwrap()
+            .get(0);
+        assert!(dropped, "{name}");
+    }
+    let left: i64 = c
+        .query_one("SELECT count(*) FROM outbox.schedules", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0);
+}
+
+#[test]
+fn scheduling_needs_the_rights_a_run_uses_and_only_the_owner_unschedules() {
+    let db = test_db("sched_privileges");
+    let mut c = db.connect();
+    let (app, other) = (
+        format!("sched_app_{}", db.name),
+        format!("sched_other_{}", db.name),
+    );
+    c.batch_execute(&format!(
+        "CREATE ROLE {app} LOGIN; CREATE ROLE {other} LOGIN;
+         GRANT USAGE ON SCHEMA outbox TO {app}, {other};
+         GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb),
+                                   outbox.unschedule(text) TO {app}, {other};
+         GRANT EXECUTE ON FUNCTION outbox.enqueue(text, jsonb, timestamptz, text, integer) TO {app};"
+    ))
+    .unwrap();
+    let mut a = db.connect_as(&app);
+    assert_eq!(
+        sqlstate(
+            &mut a,
+            "SELECT outbox.schedule('t', every => '1 minute', topic => 'a.b')"
+        ),
+        "42501",
+        "no EXECUTE on outbox.raise: may not schedule events"
+    );
+    a.batch_execute("SELECT outbox.schedule('mine', every => '1 minute', queue => 'q')")
+        .unwrap();
+    let mut o = db.connect_as(&other);
+    assert_eq!(
+        sqlstate(
+            &mut o,
+            "SELECT outbox.schedule('theirs', every => '1 minute', queue => 'q')"
+        ),
+        "42501",
+        "no EXECUTE on outbox.enqueue: may not schedule jobs"
+    );
+    assert_eq!(
+        sqlstate(&mut o, "SELECT outbox.unschedule('mine')"),
+        "42501"
+    );
+    let dropped: bool = a
+        .query_one("SELECT outbox.unschedule('mine')", &[])
+        .unwrap()
+        .get(0);
+    assert!(dropped);
+}

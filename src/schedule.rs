@@ -60,7 +60,7 @@ fn schedule(
             &[
                 DatumWithOid::from(name),
                 DatumWithOid::from(every),
-                daily_at.map_or_else(|| DatumWithOid::null::<pgrx::datum::Time>(), RawTime::datum),
+                daily_at.map_or_else(DatumWithOid::null::<pgrx::datum::Time>, RawTime::datum),
                 DatumWithOid::from(zone),
                 DatumWithOid::from(weekly_on),
                 DatumWithOid::from(topic),

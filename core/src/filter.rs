@@ -36,6 +36,8 @@ pub struct EventFields<'a> {
 pub struct Filter {
     program: Program,
     source: String,
+    /// Which of VARIABLES the filter reads, in that order.
+    uses: [bool; 6],
 }
 
 impl std::fmt::Debug for Filter {
@@ -91,14 +93,26 @@ impl Filter {
             )
             .with_hint(format!("a filter may use {}", VARIABLES.join(", "))));
         }
+        let variables = references.variables();
+        let uses = VARIABLES.map(|v| variables.contains(&v));
         Ok(Filter {
             program,
             source: source.to_string(),
+            uses,
         })
     }
 
     pub fn source(&self) -> &str {
         &self.source
+    }
+
+    /// Whether the filter reads `variable` (one of VARIABLES): an event's other fields need not
+    /// be fetched or converted for it.
+    pub fn uses(&self, variable: &str) -> bool {
+        VARIABLES
+            .iter()
+            .position(|v| *v == variable)
+            .is_some_and(|i| self.uses[i])
     }
 
     /// Whether the event matches. An error (a missing field, a type mismatch, a result that is
@@ -188,6 +202,17 @@ mod tests {
         Filter::compile(source)
             .unwrap()
             .matches(&event(&payload, tenant))
+    }
+
+    #[test]
+    fn a_filter_knows_which_fields_it_reads() {
+        let f = Filter::compile(r#"payload.amount > 100 && tenant == "acme""#).unwrap();
+        assert!(f.uses("payload") && f.uses("tenant"));
+        assert!(
+            !f.uses("topic") && !f.uses("headers") && !f.uses("raised_at") && !f.uses("subject")
+        );
+        let f = Filter::compile("payload.items.exists(i, i.sku == subject)").unwrap();
+        assert!(f.uses("payload") && f.uses("subject") && !f.uses("i") && !f.uses("tenant"));
     }
 
     #[test]

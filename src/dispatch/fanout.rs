@@ -10,12 +10,13 @@ use super::PassResult;
 use crate::cursor;
 use crate::transaction::refresh_snapshot;
 use pg_outbox_core::filter::{EventContext, EventFields, Filter};
+use pg_outbox_core::pattern::Pattern;
 use pg_outbox_core::Position;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 
 /// The first key of the subscriptions' advisory locks ("outf"); the second is the lease_key.
@@ -51,213 +52,315 @@ fn compiled(name: &str, source: &str) -> Result<Rc<Filter>, String> {
 struct Subscription {
     name: String,
     cursor: Position,
-    topic_regex: Option<String>,
-    filter: Option<String>,
+    /// Topic patterns; None: every topic.
+    topics: Option<Vec<Pattern>>,
+    filter: Option<Result<Rc<Filter>, String>>,
     handler: Option<pg_sys::Oid>,
     queue: String,
     max_attempts: i32,
+    verdicts: Verdicts,
 }
 
-fn lease(client: &SpiClient<'_>, name: &str) -> Result<Option<Subscription>, PassResult> {
-    let locked = client
+impl Subscription {
+    fn wants_topic(&self, topic: &str) -> bool {
+        self.topics
+            .as_ref()
+            .is_none_or(|patterns| patterns.iter().any(|p| p.matches(topic)))
+    }
+}
+
+/// Takes the leases of the subscriptions it can (a transaction advisory lock each, without
+/// waiting) and reads them. Returns them, and whether another worker held one.
+fn lease(client: &SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool) {
+    let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    let mut leased = Vec::new();
+    let mut contended = false;
+    for row in client
         .select(
-            "SELECT pg_catalog.pg_try_advisory_xact_lock($2, s.lease_key) FROM outbox.subscriptions s WHERE s.name = $1",
-            Some(1),
-            &[DatumWithOid::from(name), DatumWithOid::from(FANOUT_LEASE_CLASS)],
+            "SELECT s.name, pg_catalog.pg_try_advisory_xact_lock($2, s.lease_key) \
+               FROM outbox.subscriptions s WHERE s.name = ANY ($1) ORDER BY s.name",
+            None,
+            &[
+                DatumWithOid::from(names),
+                DatumWithOid::from(FANOUT_LEASE_CLASS),
+            ],
         )
-        .expect("taking a subscription lease");
-    if locked.is_empty() {
-        return Err(PassResult::Skipped);
+        .expect("taking subscription leases")
+    {
+        let name: String = row.get(1).unwrap().expect("name");
+        match row.get::<bool>(2).unwrap() {
+            Some(true) => leased.push(name),
+            _ => contended = true,
+        }
     }
-    if locked.first().get_one::<bool>().expect("lease") != Some(true) {
-        return Err(PassResult::Contended);
+    if leased.is_empty() {
+        return (Vec::new(), contended);
     }
-    // The previous holder committed before it released the lease: see its cursor.
+    // The previous holders committed before they released their leases: see their cursors.
     refresh_snapshot();
-    let rows = client
+    let mut subs = Vec::new();
+    for r in client
         .select(
-            "SELECT c.txid::text, c.seq, s.topic_regex, s.filter, s.handler::pg_catalog.oid, s.queue, s.max_attempts \
+            "SELECT s.name, c.txid::text, c.seq, s.topics, s.filter, s.handler::pg_catalog.oid, s.queue, s.max_attempts \
                FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name \
-              WHERE s.name = $1 AND NOT s.paused",
-            Some(1),
-            &[DatumWithOid::from(name)],
+              WHERE s.name = ANY ($1) AND NOT s.paused",
+            None,
+            &[DatumWithOid::from(leased)],
         )
-        .expect("reading a subscription");
-    let mut found = None;
-    for r in rows {
-        let txid: String = r.get(1).unwrap().expect("cursor txid");
-        found = Some(Subscription {
-            name: name.to_string(),
-            cursor: Position::new(txid.parse().expect("xid8"), r.get(2).unwrap().expect("seq")),
-            topic_regex: r.get(3).unwrap(),
-            filter: r.get(4).unwrap(),
-            handler: r.get(5).unwrap(),
-            queue: r.get(6).unwrap().expect("queue"),
-            max_attempts: r.get(7).unwrap().expect("max_attempts"),
+        .expect("reading subscriptions")
+    {
+        let name: String = r.get(1).unwrap().expect("name");
+        let txid: String = r.get(2).unwrap().expect("cursor txid");
+        let topics = r.get::<Vec<Option<String>>>(4).unwrap().map(|patterns| {
+            patterns
+                .into_iter()
+                .flatten()
+                .filter_map(|p| Pattern::parse(&p).ok())
+                .collect()
+        });
+        let filter = r
+            .get::<String>(5)
+            .unwrap()
+            .map(|source| compiled(&name, &source));
+        subs.push(Subscription {
+            cursor: Position::new(txid.parse().expect("xid8"), r.get(3).unwrap().expect("seq")),
+            topics,
+            filter,
+            handler: r.get(6).unwrap(),
+            queue: r.get(7).unwrap().expect("queue"),
+            max_attempts: r.get(8).unwrap().expect("max_attempts"),
+            name,
+            verdicts: Verdicts::default(),
         });
     }
-    Ok(found)
+    (subs, contended)
 }
 
-/// The window: each event's position, and for the events of the subscription's topics what a
-/// filter sees (when there is a filter).
+/// The window: each event's position and topic, and the fields the filters read ($4..$8 say
+/// which: subject, tenant, payload, headers, raised_at).
 const WINDOW_SQL: &str = "\
-    SELECT r.position, m, CASE WHEN m AND $5 THEN r.topic END, CASE WHEN m AND $5 THEN r.subject END, \
-           CASE WHEN m AND $5 THEN r.tenant END, CASE WHEN m AND $5 THEN r.payload::text END, \
-           CASE WHEN m AND $5 THEN r.headers::text END, \
-           CASE WHEN m AND $5 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END \
-      FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) r, \
-           LATERAL (SELECT $4::text IS NULL OR r.topic ~ $4 AS m) t";
+    SELECT r.position, r.topic, CASE WHEN $4 THEN r.subject END, CASE WHEN $5 THEN r.tenant END, \
+           CASE WHEN $6 THEN r.payload::text END, CASE WHEN $7 THEN r.headers::text END, \
+           CASE WHEN $8 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END \
+      FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) r";
 
-/// Writes one job per selected event of the window (`positions`; NULL: every event of the
-/// topics). An event whose job still waits is not queued again (a rewound cursor, say).
+/// Writes one job per (subscription, event) pair of the window: the event as the payload,
+/// `<subscription>:<event id>` as the key, so a job still waiting is not queued twice (a
+/// rewound cursor, say), while two subscriptions feeding one queue each get their job.
 const INSERT_SQL: &str = "\
     INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler, max_attempts) \
-    SELECT $4, pg_catalog.to_jsonb(r), r.id::text, r.id, $5, $6, $7 \
-      FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) r \
-     WHERE CASE WHEN $8::text[] IS NULL THEN $9::text IS NULL OR r.topic ~ $9 \
-                ELSE r.position = ANY ($8::text[]) END \
+    SELECT m.queue, pg_catalog.to_jsonb(r), m.sub || ':' || r.id::text, r.id, m.sub, \
+           m.handler::pg_catalog.regprocedure, m.max_attempts \
+      FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
+           AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
+      JOIN ROWS FROM (pg_catalog.unnest($4::text[]), pg_catalog.unnest($5::text[]), \
+                     pg_catalog.unnest($6::pg_catalog.oid[]), pg_catalog.unnest($7::int4[]), \
+                     pg_catalog.unnest($8::text[])) \
+           AS m(sub, queue, handler, max_attempts, position) ON m.position = r.position \
+     ORDER BY r.n, m.sub \
     ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' DO NOTHING";
 
-/// What the filter made of a window.
+/// What a filter made of a window.
 #[derive(Default)]
 struct Verdicts {
-    /// Positions of the matching events (None: no filter, every event of the topics matches).
-    matched: Option<Vec<String>>,
     matches: i64,
     skipped: i64,
     errors: i64,
     last_error: Option<String>,
 }
 
-/// One fan-out pass over one subscription. Runs inside the worker's transaction.
-pub fn pass(name: &str) -> PassResult {
-    if !super::lock_tables() {
+/// One fan-out pass over the subscriptions `names` that this worker can lease. Runs inside the
+/// worker's transaction. Subscriptions whose cursors are at the same position (the usual case:
+/// caught up) share one read of the window and one conversion of each event; each filter then
+/// runs on it.
+pub fn pass(names: &[&str]) -> PassResult {
+    if names.is_empty() || !super::lock_tables() {
         return PassResult::Skipped;
     }
     Spi::connect_mut(|client| {
-        let sub = match lease(client, name) {
-            Ok(Some(sub)) => sub,
-            Ok(None) => return PassResult::Skipped,
-            Err(result) => return result,
-        };
-        let filter = sub
-            .filter
-            .as_deref()
-            .map(|source| compiled(&sub.name, source));
-        let rows = client
-            .select(
-                WINDOW_SQL,
-                None,
-                &[
-                    DatumWithOid::from(sub.cursor.txid.to_string()),
-                    DatumWithOid::from(sub.cursor.seq),
-                    DatumWithOid::from(WINDOW),
-                    DatumWithOid::from(sub.topic_regex.clone()),
-                    DatumWithOid::from(filter.is_some()),
-                ],
-            )
-            .expect("reading a fan-out window");
-        let count = rows.len();
-        let mut last: Option<String> = None;
-        let mut verdicts = Verdicts {
-            matched: filter.is_some().then(Vec::new),
-            ..Default::default()
-        };
-        for row in rows {
-            let position: String = row.get(1).unwrap().expect("position");
-            let of_topics = row.get::<bool>(2).unwrap().unwrap_or(false);
-            if of_topics {
-                match &filter {
-                    None => verdicts.matches += 1,
-                    Some(filter) => {
-                        let verdict = filter.as_ref().map_err(String::clone).and_then(|f| {
-                            let payload = json(row.get::<String>(6).unwrap());
-                            let headers = json(row.get::<String>(7).unwrap());
-                            let topic: String = row.get(3).unwrap().unwrap_or_default();
-                            let subject: Option<String> = row.get(4).unwrap();
-                            let tenant: Option<String> = row.get(5).unwrap();
-                            let raised_at: String = row.get(8).unwrap().unwrap_or_default();
-                            f.matches_in(&EventContext::new(&EventFields {
-                                topic: &topic,
-                                subject: subject.as_deref(),
-                                tenant: tenant.as_deref(),
-                                payload: &payload,
-                                headers: &headers,
-                                raised_at: &raised_at,
-                            }))
-                        });
-                        match verdict {
-                            Ok(true) => {
-                                verdicts.matches += 1;
-                                verdicts.matched.as_mut().unwrap().push(position.clone());
-                            }
-                            Ok(false) => verdicts.skipped += 1,
-                            Err(e) => {
-                                verdicts.errors += 1;
-                                verdicts.last_error = Some(format!("event {position}: {e}"));
-                            }
-                        }
-                    }
+        let (subs, contended) = lease(client, names);
+        if subs.is_empty() {
+            return if contended {
+                PassResult::Contended
+            } else {
+                PassResult::Skipped
+            };
+        }
+        let mut groups: BTreeMap<Position, Vec<Subscription>> = BTreeMap::new();
+        for sub in subs {
+            groups.entry(sub.cursor).or_default().push(sub);
+        }
+        let (mut matched, mut full) = (0usize, false);
+        let mut any = false;
+        for (cursor, mut group) in groups {
+            if let Some((m, f)) = fan_out(client, cursor, &mut group) {
+                any = true;
+                matched += m;
+                full |= f;
+            }
+        }
+        if !any {
+            return if contended {
+                PassResult::Contended
+            } else {
+                PassResult::Idle
+            };
+        }
+        PassResult::Delivered {
+            events: matched,
+            full,
+        }
+    })
+}
+
+/// Fans one window after `cursor` out to `group` (subscriptions at that cursor): evaluates,
+/// writes the jobs, moves the cursors, counts. None when there is nothing to read.
+fn fan_out(
+    client: &mut SpiClient<'_>,
+    cursor: Position,
+    group: &mut [Subscription],
+) -> Option<(usize, bool)> {
+    let filters: Vec<&Rc<Filter>> = group
+        .iter()
+        .filter_map(|s| s.filter.as_ref().and_then(|f| f.as_ref().ok()))
+        .collect();
+    let uses = |v: &str| filters.iter().any(|f| f.uses(v));
+    let needs = [
+        uses("subject"),
+        uses("tenant"),
+        uses("payload"),
+        uses("headers"),
+        uses("raised_at"),
+    ];
+    let rows = client
+        .select(
+            WINDOW_SQL,
+            None,
+            &[
+                DatumWithOid::from(cursor.txid.to_string()),
+                DatumWithOid::from(cursor.seq),
+                DatumWithOid::from(WINDOW),
+                DatumWithOid::from(needs[0]),
+                DatumWithOid::from(needs[1]),
+                DatumWithOid::from(needs[2]),
+                DatumWithOid::from(needs[3]),
+                DatumWithOid::from(needs[4]),
+            ],
+        )
+        .expect("reading a fan-out window");
+    let count = rows.len();
+    // The matches, as parallel arrays for INSERT_SQL.
+    let (mut subs, mut queues, mut handlers, mut attempts, mut positions) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut last: Option<String> = None;
+    for row in rows {
+        let position: String = row.get(1).unwrap().expect("position");
+        let topic: String = row.get(2).unwrap().expect("topic");
+        // Converted once, for every filter that looks at this event, and only if one does.
+        let mut context: Option<EventContext<'static>> = None;
+        for sub in group.iter_mut() {
+            if !sub.wants_topic(&topic) {
+                continue;
+            }
+            let verdict = match &sub.filter {
+                None => Ok(true),
+                Some(Err(e)) => Err(e.clone()),
+                Some(Ok(filter)) => {
+                    let context = context.get_or_insert_with(|| {
+                        let subject: Option<String> = row.get(3).unwrap();
+                        let tenant: Option<String> = row.get(4).unwrap();
+                        let payload = json(row.get::<String>(5).unwrap());
+                        let headers = json(row.get::<String>(6).unwrap());
+                        let raised_at: String = row.get(7).unwrap().unwrap_or_default();
+                        EventContext::new(&EventFields {
+                            topic: &topic,
+                            subject: subject.as_deref(),
+                            tenant: tenant.as_deref(),
+                            payload: &payload,
+                            headers: &headers,
+                            raised_at: &raised_at,
+                        })
+                    });
+                    filter.matches_in(context)
+                }
+            };
+            match verdict {
+                Ok(true) => {
+                    sub.verdicts.matches += 1;
+                    subs.push(sub.name.clone());
+                    queues.push(sub.queue.clone());
+                    handlers.push(sub.handler);
+                    attempts.push(sub.max_attempts);
+                    positions.push(position.clone());
+                }
+                Ok(false) => sub.verdicts.skipped += 1,
+                Err(e) => {
+                    sub.verdicts.errors += 1;
+                    sub.verdicts.last_error = Some(format!("event {position}: {e}"));
                 }
             }
-            last = Some(position);
         }
-        let Some(last) = last else {
-            return PassResult::Idle;
-        };
-        let last: Position = last.parse().expect("positions are well-formed");
-        if verdicts.matches > 0 {
-            client
-                .update(
-                    INSERT_SQL,
-                    None,
-                    &[
-                        DatumWithOid::from(sub.cursor.txid.to_string()),
-                        DatumWithOid::from(sub.cursor.seq),
-                        DatumWithOid::from(WINDOW),
-                        DatumWithOid::from(sub.queue.as_str()),
-                        DatumWithOid::from(sub.name.as_str()),
-                        // SAFETY: an oid datum typed as regprocedure, which is an oid.
-                        unsafe { DatumWithOid::new(sub.handler, pg_sys::REGPROCEDUREOID) },
-                        DatumWithOid::from(sub.max_attempts),
-                        DatumWithOid::from(verdicts.matched.clone()),
-                        DatumWithOid::from(sub.topic_regex.clone()),
-                    ],
-                )
-                .expect("writing jobs");
-        }
+        last = Some(position);
+    }
+    let last: Position = last?.parse().expect("positions are well-formed");
+    let matched = subs.len();
+    if matched > 0 {
+        client
+            .update(
+                INSERT_SQL,
+                None,
+                &[
+                    DatumWithOid::from(cursor.txid.to_string()),
+                    DatumWithOid::from(cursor.seq),
+                    DatumWithOid::from(WINDOW),
+                    DatumWithOid::from(subs),
+                    DatumWithOid::from(queues),
+                    DatumWithOid::from(handlers),
+                    DatumWithOid::from(attempts),
+                    DatumWithOid::from(positions),
+                ],
+            )
+            .expect("writing jobs");
+    }
+    for sub in group.iter() {
         cursor::save(&sub.name, last);
-        if let Some(e) = &verdicts.last_error {
+        if let Some(e) = &sub.verdicts.last_error {
             pgrx::warning!(
                 "pg_outbox: the filter of subscription \"{}\" failed on {} event(s), counted as false; last: {e}",
                 sub.name,
-                verdicts.errors
+                sub.verdicts.errors
             );
         }
-        client
-            .update(
-                "UPDATE outbox.subscriptions SET matched = matched + $2, skipped = skipped + $3, \
-                        predicate_errors = predicate_errors + $4, \
-                        last_predicate_error = coalesce($5, last_predicate_error), \
-                        last_predicate_error_at = CASE WHEN $5 IS NULL THEN last_predicate_error_at ELSE pg_catalog.now() END, \
-                        last_fanout_at = pg_catalog.now() \
-                  WHERE name = $1",
-                None,
-                &[
-                    DatumWithOid::from(sub.name.as_str()),
-                    DatumWithOid::from(verdicts.matches),
-                    DatumWithOid::from(verdicts.skipped),
-                    DatumWithOid::from(verdicts.errors),
-                    DatumWithOid::from(verdicts.last_error.clone()),
-                ],
-            )
-            .expect("counting fan-out");
-        PassResult::Delivered {
-            events: verdicts.matches as usize,
-            full: count >= WINDOW as usize,
-        }
-    })
+    }
+    client
+        .update(
+            "UPDATE outbox.subscriptions s SET matched = s.matched + v.matched, skipped = s.skipped + v.skipped, \
+                    predicate_errors = s.predicate_errors + v.errors, \
+                    last_predicate_error = coalesce(v.last_error, s.last_predicate_error), \
+                    last_predicate_error_at = CASE WHEN v.last_error IS NULL THEN s.last_predicate_error_at \
+                                                   ELSE pg_catalog.now() END, \
+                    last_fanout_at = pg_catalog.now() \
+               FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::int8[]), \
+                               pg_catalog.unnest($3::int8[]), pg_catalog.unnest($4::int8[]), \
+                               pg_catalog.unnest($5::text[])) \
+                    AS v(name, matched, skipped, errors, last_error) \
+              WHERE s.name = v.name",
+            None,
+            &[
+                DatumWithOid::from(group.iter().map(|s| s.name.clone()).collect::<Vec<_>>()),
+                DatumWithOid::from(group.iter().map(|s| s.verdicts.matches).collect::<Vec<_>>()),
+                DatumWithOid::from(group.iter().map(|s| s.verdicts.skipped).collect::<Vec<_>>()),
+                DatumWithOid::from(group.iter().map(|s| s.verdicts.errors).collect::<Vec<_>>()),
+                DatumWithOid::from(
+                    group
+                        .iter()
+                        .map(|s| s.verdicts.last_error.clone())
+                        .collect::<Vec<_>>(),
+                ),
+            ],
+        )
+        .expect("counting fan-out");
+    Some((matched, count >= WINDOW as usize))
 }
 
 fn json(text: Option<String>) -> serde_json::Value {

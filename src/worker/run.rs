@@ -280,18 +280,28 @@ impl Worker {
         contended: &mut bool,
     ) -> (bool, Option<Duration>) {
         let mut more = false;
-        for (name, _) in subscriptions {
-            if self.stopping() {
-                return (false, None);
+        // One pass serves every subscription this worker can lease.
+        let names: Vec<&str> = subscriptions.iter().map(|(n, _)| n.as_str()).collect();
+        match in_transaction(|| dispatch::fanout::pass(&names)) {
+            Ok(PassResult::Delivered { events, full }) => {
+                slot_pass(self.slot, events as u64);
+                more |= full;
             }
-            match in_transaction(|| dispatch::fanout::pass(name)) {
-                Ok(PassResult::Delivered { events, full }) => {
-                    slot_pass(self.slot, events as u64);
-                    more |= full;
+            Ok(PassResult::Contended) => *contended = true,
+            Ok(_) => {}
+            Err(e) => {
+                // One subscription's trouble must not stall the others: go one by one.
+                self.failed(&format!("fan-out: {e}"));
+                for name in &names {
+                    match in_transaction(|| dispatch::fanout::pass(&[name])) {
+                        Ok(PassResult::Delivered { events, full }) => {
+                            slot_pass(self.slot, events as u64);
+                            more |= full;
+                        }
+                        Ok(_) => {}
+                        Err(e) => self.failed(&format!("subscription \"{name}\": {e}")),
+                    }
                 }
-                Ok(PassResult::Contended) => *contended = true,
-                Ok(_) => {}
-                Err(e) => self.failed(&format!("subscription \"{name}\": {e}")),
             }
         }
         if !subscriptions.iter().any(|(_, handler)| *handler) {

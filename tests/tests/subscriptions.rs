@@ -40,6 +40,7 @@ fn filters_route_exactly_the_matching_events_to_each_subscription() {
         "SELECT outbox.subscribe('big-acme', '{orders.*}', queue => 'big-acme',
                                  filter => 'payload.amount > 100 && tenant == \"acme\"');
          SELECT outbox.subscribe('vip', NULL, queue => 'vip', filter => 'has(payload.vip) && payload.vip');
+         SELECT outbox.subscribe('vip-too', '{orders.created}', queue => 'vip', filter => 'has(payload.vip)');
          SELECT outbox.subscribe('all-refunds', '{refunds.#}', queue => 'refunds');
          SELECT outbox.subscribe('by-subject', NULL, queue => 'subj',
                                  filter => 'subject != null && subject.startsWith(\"cust-1\")');",
@@ -69,6 +70,13 @@ fn filters_route_exactly_the_matching_events_to_each_subscription() {
         expect(&|n| topic(n).starts_with("orders.") && n > 100 && n % 2 == 0)
     );
     assert_eq!(queued(&mut c, "vip"), expect(&|n| n % 7 == 0));
+    // Two subscriptions feeding one queue each get their job for an event both match.
+    let both = (0..200).filter(|n| n % 7 == 0 && n % 3 == 0).count() as i64;
+    let vip_jobs = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.jobs WHERE queue = 'vip'",
+    );
+    assert_eq!(vip_jobs, expect(&|n| n % 7 == 0).len() as i64 + both);
     assert_eq!(
         queued(&mut c, "refunds"),
         expect(&|n| topic(n).starts_with("refunds."))
@@ -80,7 +88,7 @@ fn filters_route_exactly_the_matching_events_to_each_subscription() {
     // Each job carries its event and the event's id as its key; the counts add up.
     let bad = count(
         &mut c,
-        "SELECT count(*) FROM outbox.jobs WHERE key <> event::text OR payload->>'id' <> event::text
+        "SELECT count(*) FROM outbox.jobs WHERE key <> subscription || ':' || event OR payload->>'id' <> event::text
                                          OR subscription IS NULL OR handler IS NOT NULL",
     );
     assert_eq!(bad, 0);

@@ -114,14 +114,14 @@ fn handler_jobs(c: &mut Client, jobs: i64, fan_out: bool) -> f64 {
         // Fan out while paused for jobs is not possible; queue the jobs as fan-out would.
         c.batch_execute(
             "INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler)
-             SELECT 'work', to_jsonb(r), r.id::text, r.id, 'work', 'work(outbox.event)'::regprocedure
+             SELECT 'work', to_jsonb(r), 'work:' || r.id, r.id, 'work', 'work(outbox.event)'::regprocedure
                FROM outbox.consumers c, outbox._read_after(c.txid, c.seq, 100000000) r
               WHERE c.name = 'work';
              UPDATE outbox.consumers SET (txid, seq) = (SELECT txid, seq FROM outbox.events ORDER BY txid DESC, seq DESC LIMIT 1)
-              WHERE name = 'work';
-             VACUUM ANALYZE outbox.jobs;",
+              WHERE name = 'work';",
         )
         .unwrap();
+        c.batch_execute("VACUUM ANALYZE outbox.jobs").unwrap();
     }
     c.batch_execute("CHECKPOINT").unwrap();
     let start = Instant::now();

@@ -257,7 +257,7 @@ fn job_functions_refuse_bad_input() {
         ("SELECT * FROM outbox.claim('q', 0)", "22023"),
         ("SELECT * FROM outbox.claim('q', 1001)", "22023"),
         ("SELECT * FROM outbox.claim('q', 1, '-1 second')", "22023"),
-        ("SELECT * FROM outbox.claim('q', 1, NULL)", "22023"),
+        ("SELECT * FROM outbox.claim('q', 1, '2 days')", "22023"),
         ("SELECT * FROM outbox.claim(NULL)", "22004"),
         ("SELECT outbox.complete(NULL)", "22004"),
         ("SELECT outbox.fail(12345, 'x')", "55000"),
@@ -272,4 +272,176 @@ fn job_functions_refuse_bad_input() {
         .unwrap()
         .get(0);
     assert_eq!(n, 0);
+}
+
+#[test]
+fn without_a_lease_jobs_are_held_by_the_claiming_transaction() {
+    let db = test_db("jobs_in_transaction");
+    let mut c = db.connect();
+    c.batch_execute(
+        "SELECT outbox.enqueue('tx', jsonb_build_object('i', i)) FROM generate_series(1, 1000) i",
+    )
+    .unwrap();
+    // Four workers, each claiming and completing in one transaction: every job once.
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let mut c = db.connect();
+            std::thread::spawn(move || {
+                let mut mine = Vec::new();
+                loop {
+                    let mut tx = c.transaction().unwrap();
+                    let ids: Vec<i64> = tx
+                        .query("SELECT id FROM outbox.claim('tx', 5, lease => NULL)", &[])
+                        .unwrap()
+                        .iter()
+                        .map(|r| r.get(0))
+                        .collect();
+                    if ids.is_empty() {
+                        return mine;
+                    }
+                    for id in ids {
+                        let ok: bool = tx
+                            .query_one("SELECT outbox.complete($1)", &[&id])
+                            .unwrap()
+                            .get(0);
+                        assert!(ok, "a job held by this transaction completes");
+                        mine.push(id);
+                    }
+                    tx.commit().unwrap();
+                }
+            })
+        })
+        .collect();
+    let all: Vec<i64> = workers
+        .into_iter()
+        .flat_map(|w| w.join().unwrap())
+        .collect();
+    let unique: HashSet<i64> = all.iter().copied().collect();
+    assert_eq!((all.len(), unique.len()), (1000, 1000), "every job once");
+
+    // Held, not leased: nothing is written, another transaction skips it, and a rollback (or a
+    // dead connection) frees it at once.
+    let id: i64 = c
+        .query_one("SELECT outbox.enqueue('tx', '{}')", &[])
+        .unwrap()
+        .get(0);
+    let mut a = db.connect();
+    let mut b = db.connect();
+    a.batch_execute("BEGIN").unwrap();
+    let held: Vec<(i64, i32)> = a
+        .query(
+            "SELECT id, attempts FROM outbox.claim('tx', 10, lease => NULL)",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(held, [(id, 1)], "the attempt it would be");
+    assert!(b
+        .query("SELECT id FROM outbox.claim('tx', 10, lease => NULL)", &[])
+        .unwrap()
+        .is_empty());
+    let theirs: bool = b
+        .query_one("SELECT outbox.complete($1)", &[&id])
+        .unwrap()
+        .get(0);
+    assert!(
+        !theirs,
+        "another transaction's job is not completed (nor waited for)"
+    );
+    assert_eq!(
+        sqlstate(&mut b, &format!("SELECT outbox.fail({id}, 'x')")),
+        "55000"
+    );
+    a.batch_execute("ROLLBACK").unwrap();
+    let row = b
+        .query_one(
+            "SELECT state, attempts FROM outbox.jobs WHERE id = $1",
+            &[&id],
+        )
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, i32>(1)),
+        ("waiting".into(), 0)
+    );
+    let unclaimed: bool = b
+        .query_one("SELECT outbox.complete($1)", &[&id])
+        .unwrap()
+        .get(0);
+    assert!(!unclaimed, "a job nobody claimed is not completed");
+    // Failing a held job counts the attempt and backs off.
+    a.batch_execute(&format!(
+        "BEGIN; SELECT * FROM outbox.claim('tx', 1, lease => NULL);
+         SELECT outbox.fail({id}, 'boom'); COMMIT;"
+    ))
+    .unwrap();
+    let row = b
+        .query_one(
+            "SELECT state, attempts, last_error, run_at > now() FROM outbox.jobs WHERE id = $1",
+            &[&id],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "waiting");
+    assert_eq!(row.get::<_, i32>(1), 1);
+    assert_eq!(row.get::<_, String>(2), "boom");
+    assert!(row.get::<_, bool>(3), "backing off");
+}
+
+#[test]
+fn complete_many_finishes_the_jobs_this_worker_holds_and_no_others() {
+    let db = test_db("jobs_complete_many");
+    let mut c = db.connect();
+    c.batch_execute(
+        "SELECT outbox.enqueue('m', jsonb_build_object('i', i)) FROM generate_series(1, 6) i",
+    )
+    .unwrap();
+    let leased: Vec<i64> = c
+        .query("SELECT id FROM outbox.claim('m', 2, '1 minute')", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut other = db.connect();
+    other.batch_execute("BEGIN").unwrap();
+    let theirs: Vec<i64> = other
+        .query("SELECT id FROM outbox.claim('m', 2, lease => NULL)", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let all: Vec<i64> = c
+        .query("SELECT id FROM outbox.jobs ORDER BY id", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    // Everything: two leased (done), two held by the other transaction and two nobody claimed
+    // (left alone).
+    let done: i32 = c
+        .query_one("SELECT outbox.complete_many($1)", &[&all])
+        .unwrap()
+        .get(0);
+    assert_eq!(done, 2);
+    let mine: i32 = other
+        .query_one("SELECT outbox.complete_many($1)", &[&theirs])
+        .unwrap()
+        .get(0);
+    assert_eq!(mine, 2);
+    other.batch_execute("COMMIT").unwrap();
+    let left: Vec<i64> = c
+        .query("SELECT id FROM outbox.jobs ORDER BY id", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let expect: Vec<i64> = all
+        .into_iter()
+        .filter(|id| !leased.contains(id) && !theirs.contains(id))
+        .collect();
+    assert_eq!(left, expect);
+    assert_eq!(
+        sqlstate(&mut c, "SELECT outbox.complete_many(NULL)"),
+        "22004"
+    );
 }

@@ -445,3 +445,56 @@ fn complete_many_finishes_the_jobs_this_worker_holds_and_no_others() {
         "22004"
     );
 }
+
+#[test]
+fn a_hostile_search_path_changes_nothing_claim_and_complete_do() {
+    let db = test_db("jobs_search_path");
+    let mut c = db.connect();
+    // claim and complete do not pin search_path (see jobs.sql); every name in them is qualified.
+    // A caller who puts look-alike operators and functions first must get the same answers.
+    c.batch_execute(
+        "CREATE SCHEMA evil;
+         CREATE FUNCTION evil.eq(text, text) RETURNS boolean LANGUAGE sql AS 'SELECT true';
+         CREATE OPERATOR evil.= (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.eq);
+         CREATE FUNCTION evil.le(timestamptz, timestamptz) RETURNS boolean LANGUAGE sql AS 'SELECT true';
+         CREATE OPERATOR evil.<= (LEFTARG = timestamptz, RIGHTARG = timestamptz, FUNCTION = evil.le);
+         CREATE FUNCTION evil.now() RETURNS timestamptz LANGUAGE sql AS $$SELECT 'infinity'::timestamptz$$;
+         SELECT outbox.enqueue('mine', '{}');
+         SELECT outbox.enqueue('other', '{}');
+         SELECT outbox.enqueue('mine', '{}', run_at => now() + interval '1 hour');
+         SET search_path = evil, pg_catalog, public;",
+    )
+    .unwrap();
+    for lease in ["'1 minute'", "NULL"] {
+        let mut tx = c.transaction().unwrap();
+        let queues: Vec<String> = tx
+            .query(
+                &format!("SELECT queue FROM outbox.claim('mine', 10, {lease})"),
+                &[],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(
+            queues,
+            ["mine"],
+            "only the due job of this queue (lease {lease})"
+        );
+        tx.rollback().unwrap();
+    }
+    let other: i64 = c
+        .query_one("SELECT id FROM outbox.jobs WHERE queue OPERATOR(pg_catalog.=) 'other'", &[])
+        .unwrap()
+        .get(0);
+    let done: bool = c
+        .query_one("SELECT outbox.complete($1)", &[&other])
+        .unwrap()
+        .get(0);
+    assert!(!done, "a job nobody claimed is not completed");
+    let done: i32 = c
+        .query_one("SELECT outbox.complete_many(ARRAY[$1::int8])", &[&other])
+        .unwrap()
+        .get(0);
+    assert_eq!(done, 0);
+}

@@ -603,3 +603,46 @@ fn scheduling_needs_the_rights_a_run_uses_and_only_the_owner_unschedules() {
         .get(0);
     assert!(dropped);
 }
+
+#[test]
+fn the_workers_fire_a_run_a_clock_change_skipped_once_at_the_gap_end() {
+    let db = worker_db("sched_dst");
+    let mut c = db.connect();
+    // Daily 02:30 in New York: on 2026-03-08 the clocks jump from 02:00 to 03:00, so that run is
+    // due at 03:00 EDT (07:00 UTC). Put the schedule back to that run, as if the workers had been
+    // stopped since; they fire it once, late, and move on to the next regular 02:30.
+    c.batch_execute(
+        "SELECT outbox.schedule('nightly', daily_at => '02:30', zone => 'America/New_York', queue => 'nightly');",
+    )
+    .unwrap();
+    let gap_end = utc(
+        &mut c,
+        "outbox._next_run(NULL, '02:30', 'America/New_York', NULL, '2026-03-08 06:00+00', NULL)",
+    );
+    assert_eq!(gap_end, "2026-03-08 07:00:00");
+    c.batch_execute(
+        "UPDATE outbox.schedules SET next_run = '2026-03-08 07:00+00' WHERE name = 'nightly'",
+    )
+    .unwrap();
+    eventually("the skipped run to fire", Duration::from_secs(15), || {
+        (fired(&mut c, "nightly") >= 1).then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let keys: Vec<String> = c
+        .query("SELECT key FROM outbox.jobs WHERE queue = 'nightly'", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(keys, ["nightly@2026-03-08T07:00:00.000000Z"], "fired once");
+    assert_eq!(fired(&mut c, "nightly"), 1);
+    let local: String = c
+        .query_one(
+            "SELECT to_char(next_run AT TIME ZONE 'America/New_York', 'HH24:MI') || ' ' || (next_run > now())
+               FROM outbox.schedules WHERE name = 'nightly'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(local, "02:30 true", "then the next regular run");
+}

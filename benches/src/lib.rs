@@ -97,3 +97,35 @@ pub fn ms_between(from: SystemTime, to: SystemTime) -> f64 {
         Err(e) => -e.duration().as_secs_f64() * 1000.0,
     }
 }
+
+/// Starts a throwaway cluster named `name` for a benchmark (fsync on, shared_buffers 1GB,
+/// max_wal_size 4GB, workers in database `bench`, plus `settings`), creates database `bench` with
+/// `setup` run in it, waits for the workers, runs `body` with the cluster and a connection, and
+/// stops the cluster whatever `body` does.
+pub fn with_bench_cluster(
+    name: &str,
+    settings: &[&str],
+    setup: &str,
+    body: impl FnOnce(&Cluster, &mut Client),
+) {
+    let mut all = vec![
+        "shared_buffers = '1GB'",
+        "max_wal_size = '4GB'",
+        "checkpoint_timeout = '30min'",
+        "pg_outbox.database = 'bench'",
+    ];
+    all.extend_from_slice(settings);
+    let cluster = Cluster::start_with(name, &all);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut admin = cluster.connect("postgres", "postgres");
+        admin.batch_execute("CREATE DATABASE bench").unwrap();
+        let mut c = cluster.connect("bench", "postgres");
+        c.batch_execute(setup).unwrap();
+        cluster.wait_for_workers("bench");
+        body(&cluster, &mut c);
+    }));
+    cluster.stop();
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+}

@@ -484,7 +484,10 @@ fn a_hostile_search_path_changes_nothing_claim_and_complete_do() {
         tx.rollback().unwrap();
     }
     let other: i64 = c
-        .query_one("SELECT id FROM outbox.jobs WHERE queue OPERATOR(pg_catalog.=) 'other'", &[])
+        .query_one(
+            "SELECT id FROM outbox.jobs WHERE queue OPERATOR(pg_catalog.=) 'other'",
+            &[],
+        )
         .unwrap()
         .get(0);
     let done: bool = c

@@ -5,7 +5,7 @@
 //! Run through `bash benches/dispatch.sh` (builds and installs the release build first).
 //! BENCH_EVENTS (default 200000) sets the drain size, BENCH_SECONDS (default 10) each latency run.
 
-use pg_outbox_benches::{env_or, head, raise_load, Latency};
+use pg_outbox_benches::{env_or, head, raise_load, with_bench_cluster, Latency};
 use pg_outbox_tests::{eventually, Cluster};
 use postgres::Client;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -115,21 +115,7 @@ fn latency(
 fn main() {
     let events: i64 = env_or("BENCH_EVENTS", 200_000);
     let seconds: u64 = env_or("BENCH_SECONDS", 10);
-    let cluster = Cluster::start_with(
-        "pg_outbox_bench",
-        &[
-            "shared_buffers = '1GB'",
-            "max_wal_size = '4GB'",
-            "checkpoint_timeout = '30min'",
-            "pg_outbox.database = 'bench'",
-        ],
-    );
-    let result = std::panic::catch_unwind(|| {
-        let mut admin = cluster.connect("postgres", "postgres");
-        admin.batch_execute("CREATE DATABASE bench").unwrap();
-        let mut c = cluster.connect("bench", "postgres");
-        c.batch_execute(SETUP).unwrap();
-        cluster.wait_for_workers("bench");
+    with_bench_cluster("pg_outbox_bench", &[], SETUP, |cluster, c| {
         let version: String = c.query_one("SHOW server_version", &[]).unwrap().get(0);
         let workers: String = c.query_one("SHOW pg_outbox.workers", &[]).unwrap().get(0);
         println!(
@@ -138,7 +124,7 @@ fn main() {
         println!("sink: a SQL function inserting every event it is handed into a table\n");
         println!("{:<46} {:>12}", "drain of waiting events", "events/s");
         for batch in [128, 1000] {
-            let rate = drain(&mut c, batch, events);
+            let rate = drain(c, batch, events);
             println!(
                 "{:<46} {:>12.0}",
                 format!("{events} events, batch_size {batch}"),
@@ -153,7 +139,7 @@ fn main() {
             ("steady 500 events/s (4 clients x 125/s)", 4, Some(125.0)),
             ("saturation, 4 clients", 4, None),
         ] {
-            let l = latency(&cluster, &mut c, clients, rate, seconds);
+            let l = latency(cluster, c, clients, rate, seconds);
             println!(
                 "{:<46} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
                 label, l.rate, l.p50, l.p95, l.p99, l.max
@@ -161,8 +147,4 @@ fn main() {
         }
         println!();
     });
-    cluster.stop();
-    if let Err(e) = result {
-        std::panic::resume_unwind(e);
-    }
 }

@@ -5,7 +5,7 @@
 //! Run through `bash benches/http.sh`. BENCH_EVENTS (default 50000) sets the drain size,
 //! BENCH_SECONDS (default 10) the latency run.
 
-use pg_outbox_benches::{env_or, head, ms_between, raise_load, Latency};
+use pg_outbox_benches::{env_or, head, ms_between, raise_load, with_bench_cluster, Latency};
 use pg_outbox_tests::http_server::Receiver;
 use pg_outbox_tests::{eventually, Cluster};
 use postgres::Client;
@@ -99,61 +99,51 @@ fn latency(cluster: &Cluster, c: &mut Client, rx: &Receiver, seconds: u64) -> La
 fn main() {
     let events: i64 = env_or("BENCH_EVENTS", 50_000);
     let seconds: u64 = env_or("BENCH_SECONDS", 10);
-    let cluster = Cluster::start_with(
-        "pg_outbox_bench_http",
-        &[
-            "shared_buffers = '1GB'",
-            "max_wal_size = '4GB'",
-            "pg_outbox.database = 'bench'",
-            "pg_outbox.http_allow_plain = on",
-            "pg_outbox.http_allow_private = on",
-        ],
-    );
     let rx = Receiver::start(|_, _| (200, vec![]));
-    let result = std::panic::catch_unwind(|| {
-        let mut admin = cluster.connect("postgres", "postgres");
-        admin.batch_execute("CREATE DATABASE bench").unwrap();
-        let mut c = cluster.connect("bench", "postgres");
-        c.batch_execute("CREATE EXTENSION pg_outbox").unwrap();
-        cluster.wait_for_workers("bench");
-        println!("\npg_outbox HTTP sink benchmark: receiver on loopback answering 200, fsync on, 2 workers\n");
-        println!(
-            "{:<40} {:>12}",
-            "drain of waiting events (all sinks)", "events/s"
-        );
-        for (sinks, batch, n) in [
-            (1, 1, (events / 10).max(1000)),
-            (1, 128, events),
-            (1, 1000, events),
-            (4, 1, (events / 40).max(500)),
-            (4, 128, events / 4),
-            (4, 1000, events / 4),
-        ] {
-            let rate = drain(&mut c, &rx, sinks, batch, n);
+    let settings = [
+        "pg_outbox.http_allow_plain = on",
+        "pg_outbox.http_allow_private = on",
+    ];
+    with_bench_cluster(
+        "pg_outbox_bench_http",
+        &settings,
+        "CREATE EXTENSION pg_outbox",
+        |cluster, c| {
+            println!("\npg_outbox HTTP sink benchmark: receiver on loopback answering 200, fsync on, 2 workers\n");
             println!(
-                "{:<40} {:>12.0}",
-                format!("{sinks} sink(s), batch_size {batch}, {n} events each"),
-                rate
+                "{:<40} {:>12}",
+                "drain of waiting events (all sinks)", "events/s"
             );
-        }
-        let Latency {
-            rate,
-            p50,
-            p99,
-            max,
-            ..
-        } = latency(&cluster, &mut c, &rx, seconds);
-        println!(
-            "\n{:<40} {:>10} {:>8} {:>8} {:>8}",
-            "commit-to-request latency (ms)", "events/s", "p50", "p99", "max"
-        );
-        println!(
-            "{:<40} {:>10.0} {:>8.2} {:>8.2} {:>8.2}\n",
-            "steady 500 events/s, 1 sink", rate, p50, p99, max
-        );
-    });
-    cluster.stop();
-    if let Err(e) = result {
-        std::panic::resume_unwind(e);
-    }
+            for (sinks, batch, n) in [
+                (1, 1, (events / 10).max(1000)),
+                (1, 128, events),
+                (1, 1000, events),
+                (4, 1, (events / 40).max(500)),
+                (4, 128, events / 4),
+                (4, 1000, events / 4),
+            ] {
+                let rate = drain(c, &rx, sinks, batch, n);
+                println!(
+                    "{:<40} {:>12.0}",
+                    format!("{sinks} sink(s), batch_size {batch}, {n} events each"),
+                    rate
+                );
+            }
+            let Latency {
+                rate,
+                p50,
+                p99,
+                max,
+                ..
+            } = latency(cluster, c, &rx, seconds);
+            println!(
+                "\n{:<40} {:>10} {:>8} {:>8} {:>8}",
+                "commit-to-request latency (ms)", "events/s", "p50", "p99", "max"
+            );
+            println!(
+                "{:<40} {:>10.0} {:>8.2} {:>8.2} {:>8.2}\n",
+                "steady 500 events/s, 1 sink", rate, p50, p99, max
+            );
+        },
+    );
 }

@@ -7,8 +7,8 @@
 //! BENCH_EVENTS (default 20000) sets the events per fan-out run, BENCH_JOBS (default 100000) the
 //! jobs per run of the handler.
 
-use pg_outbox_benches::{env_or, head};
-use pg_outbox_tests::{eventually, Cluster};
+use pg_outbox_benches::{env_or, head, with_bench_cluster};
+use pg_outbox_tests::eventually;
 use postgres::Client;
 use std::time::{Duration, Instant};
 
@@ -153,23 +153,11 @@ fn handler_jobs(c: &mut Client, jobs: i64, fan_out: bool) -> f64 {
 fn main() {
     let events: i64 = env_or("BENCH_EVENTS", 20_000);
     let jobs: i64 = env_or("BENCH_JOBS", 100_000);
-    let cluster = Cluster::start_with(
-        "pg_outbox_bench_subs",
-        &[
-            "shared_buffers = '1GB'",
-            "max_wal_size = '4GB'",
-            "checkpoint_timeout = '30min'",
-            "pg_outbox.database = 'bench'",
-            // The soak below runs for seconds, not hours: let autovacuum look every 5 s.
-            "autovacuum_naptime = '5s'",
-        ],
-    );
-    let result = std::panic::catch_unwind(|| {
-        let mut admin = cluster.connect("postgres", "postgres");
-        admin.batch_execute("CREATE DATABASE bench").unwrap();
-        let mut c = cluster.connect("bench", "postgres");
-        c.batch_execute(SETUP).unwrap();
-        cluster.wait_for_workers("bench");
+    let settings = [
+        // The soak below runs for seconds, not hours: let autovacuum look every 5 s.
+        "autovacuum_naptime = '5s'",
+    ];
+    with_bench_cluster("pg_outbox_bench_subs", &settings, SETUP, |_, c| {
         let version: String = c.query_one("SHOW server_version", &[]).unwrap().get(0);
         let workers: String = c.query_one("SHOW pg_outbox.workers", &[]).unwrap().get(0);
         println!(
@@ -186,14 +174,14 @@ fn main() {
         for subs in [1, 10, 100] {
             // At least 200,000 evaluations per run, so that fixed costs do not dominate.
             let n = events.max(200_000 / subs as i64);
-            let (us, written) = fanout(&mut c, subs, n);
+            let (us, written) = fanout(c, subs, n);
             println!("{subs:<16} {us:>22.2} {written:>12}");
         }
         println!("\njobs run by the workers through a one-INSERT SQL handler ({jobs} jobs)\n");
         println!("{:<40} {:>12}", "", "jobs/s");
-        let queued = handler_jobs(&mut c, jobs, false);
+        let queued = handler_jobs(c, jobs, false);
         println!("{:<40} {:>12.0}", "already queued", queued);
-        let fanned = handler_jobs(&mut c, jobs, true);
+        let fanned = handler_jobs(c, jobs, true);
         println!("{:<40} {:>12.0}", "fan-out and run, end to end", fanned);
         // Soak: rounds of churn through the handler. Finished jobs are deleted and autovacuum
         // (set on outbox.jobs to run after 10,000 dead rows) lets the space be reused, so the
@@ -208,19 +196,15 @@ fn main() {
             "\nsoak: {rounds} rounds of {jobs} jobs fanned out and run; outbox.jobs (table and indexes) after each"
         );
         for round in 1..=rounds {
-            handler_jobs(&mut c, jobs, true);
+            handler_jobs(c, jobs, true);
             // Give autovacuum its turn (naptime 5 s), as it would have between bursts.
             std::thread::sleep(Duration::from_secs(6));
             println!(
                 "  round {round}: {} jobs ran in all, {} kB",
                 (round as i64 + 2) * jobs,
-                size(&mut c) / 1024
+                size(c) / 1024
             );
         }
         println!();
     });
-    cluster.stop();
-    if let Err(e) = result {
-        std::panic::resume_unwind(e);
-    }
 }

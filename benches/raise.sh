@@ -2,8 +2,10 @@
 # Benchmark: outbox.raise against a plain INSERT into a table of the same shape, indexes and
 # constraints, in one run on one throwaway cluster (fsync on, as in production). Prints events/s
 # and the ratio raise/INSERT for:
-#   - one event per transaction, 1 and 8 clients (pgbench, prepared statements)
+#   - one event per transaction, 1, 8 and 32 clients (pgbench, prepared statements)
 #   - 1,000 events per transaction (raise_many vs a multi-row INSERT), 1 and 2 clients
+#   - the same against PgQ's pgq.insert_event (Debian postgresql-15-pgq3), the closest peer
+# With BENCH_JSON=<file>, each figure is also appended to <file> as a JSON line (for the report).
 # Rounds alternate between the two sides so drift on a shared machine hits both alike.
 #
 #   bash benches/raise.sh                 # 10 s per measurement, 2 rounds
@@ -30,6 +32,8 @@ psql_bench() { cluster_psql "$DIR" "$PORT" -d bench "$@"; }
 
 psql_bench <<'SQL' >/dev/null
 CREATE EXTENSION pg_outbox;
+CREATE EXTENSION pgq;
+SELECT pgq.create_queue('bench');
 -- The baseline: outbox.events' shape, defaults, constraints and single index, written directly.
 CREATE SCHEMA plain;
 CREATE SEQUENCE plain.events_seq AS bigint CACHE 64;
@@ -62,6 +66,11 @@ cat >"$W/insert_many.sql" <<'SQL'
 INSERT INTO plain.events (topic, payload)
 SELECT 'order.placed', jsonb_build_object('order', i, 'amount', 150.5, 'currency', 'EUR') FROM generate_series(1, 1000) i;
 SQL
+echo "SELECT pgq.insert_event('bench', 'order.placed', '$PAYLOAD');" >"$W/pgq.sql"
+cat >"$W/pgq_many.sql" <<'SQL'
+SELECT count(pgq.insert_event('bench', 'order.placed', jsonb_build_object('order', i, 'amount', 150.5, 'currency', 'EUR')::text))
+  FROM generate_series(1, 1000) i;
+SQL
 
 # events/s of one pgbench run: tps times events per transaction.
 measure() {
@@ -90,13 +99,23 @@ printf '\npg_outbox raise benchmark: PostgreSQL %s, %s cores, fsync on, %s s x %
   "$(psql_bench -Atc 'SHOW server_version')" "$(nproc)" "$SECONDS_PER" "$ROUNDS"
 printf '%-44s %8s %14s %14s %8s\n' "case" "clients" "pg_outbox/s" "plain/s" "ratio"
 row() {
-  local label=$1 ours=$2 theirs=$3 clients=$4 per_tx=$5
+  local label=$1 ours=$2 theirs=$3 clients=$4 per_tx=$5 baseline=$6
   read -r a b < <(compare "$ours" "$theirs" "$clients" "$per_tx")
-  printf '%-44s %8s %14s %14s %8s\n' "$label" "$clients" "$a" "$b" \
-    "$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')"
+  local ratio
+  ratio=$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')
+  printf '%-44s %8s %14s %14s %8s\n' "$label" "$clients" "$a" "$b" "$ratio"
+  if [ -n "${BENCH_JSON:-}" ]; then
+    printf '{"bench": "raise", "case": "%s", "clients": %s, "unit": "events/s", "ours": %s, "baseline": "%s", "theirs": %s, "ratio": %s}\n' \
+      "$label" "$clients" "$a" "$baseline" "$b" "$ratio" >>"$BENCH_JSON"
+  fi
 }
-row "1 event/tx: raise vs INSERT" raise.sql insert.sql 1 1
-row "1 event/tx: raise vs INSERT" raise.sql insert.sql 8 1
-row "1000 events/tx: raise_many vs multi-row INSERT" raise_many.sql insert_many.sql 1 1000
-row "1000 events/tx: raise_many vs multi-row INSERT" raise_many.sql insert_many.sql 2 1000
+for clients in 1 8 32; do
+  row "1 event/tx: raise vs INSERT" raise.sql insert.sql "$clients" 1 "plain INSERT"
+done
+row "1000 events/tx: raise_many vs multi-row INSERT" raise_many.sql insert_many.sql 1 1000 "plain INSERT"
+row "1000 events/tx: raise_many vs multi-row INSERT" raise_many.sql insert_many.sql 2 1000 "plain INSERT"
+for clients in 1 8 32; do
+  row "1 event/tx: raise vs pgq.insert_event" raise.sql pgq.sql "$clients" 1 "PgQ"
+done
+row "1000 events/tx: raise_many vs pgq.insert_event" raise_many.sql pgq_many.sql 1 1000 "PgQ"
 echo

@@ -17,8 +17,9 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 need=()
+# postgresql-15-pgq3 and pgqd: PgQ, the peer the benchmarks measure pg_outbox against.
 for p in postgresql-15 postgresql-server-dev-15 postgresql-contrib libclang-dev clang pkg-config \
-         libssl-dev sudo; do
+         libssl-dev sudo postgresql-15-pgq3 pgqd; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if ((${#need[@]})); then

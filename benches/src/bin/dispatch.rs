@@ -1,6 +1,7 @@
-//! Dispatch benchmark: how fast the background worker drains the log into a SQL sink, and how long
-//! an event takes from its commit to the sink's handler. Starts its own throwaway cluster (fsync
-//! on, shared_buffers 1GB, pg_outbox preloaded), prints a table, stops the cluster.
+//! Dispatch benchmark: how fast the background worker drains the log into a SQL sink, against the
+//! same work done by PgQ's batch consumer loop and by a hand-written SKIP LOCKED queue, and how
+//! long an event takes from its commit to the sink's handler. Starts its own throwaway cluster
+//! (fsync on, shared_buffers 1GB, pg_outbox preloaded), prints tables, stops the cluster.
 //!
 //! Run through `bash benches/dispatch.sh` (builds and installs the release build first).
 //! BENCH_EVENTS (default 200000) sets the drain size, BENCH_SECONDS (default 10) each latency run.
@@ -12,6 +13,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const SETUP: &str = "
     CREATE EXTENSION pg_outbox;
+    CREATE EXTENSION pgq;
+    SELECT pgq.create_queue('bench');
+    -- The benchmark ticks (as pgqd would) after every 500 events: the default ticker_max_count.
+    SELECT pgq.register_consumer('bench', 'ledger');
+    -- The hand-written queue: rows claimed and deleted with SKIP LOCKED.
+    CREATE TABLE plain_queue (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, payload jsonb NOT NULL);
     CREATE TABLE ledger (k bigint, pos text, at timestamptz DEFAULT clock_timestamp());
     -- The sink: insert every event it is handed into a table.
     CREATE FUNCTION record(events outbox.event[]) RETURNS void LANGUAGE sql AS $$
@@ -112,6 +119,99 @@ fn latency(
     pg_outbox_benches::latency(rate, ms)
 }
 
+/// PgQ's consumer loop draining `n` events into the ledger: the events are inserted with
+/// `pgq.insert_event` and ticked every 500 (as pgqd does by default), then one client runs
+/// `next_batch`, copies `get_batch_events` into the ledger and calls `finish_batch`, one
+/// transaction per batch, until no batch is left. Events per second of the loop.
+fn pgq_drain(c: &mut Client, n: i64) -> f64 {
+    c.batch_execute("TRUNCATE ledger").unwrap();
+    let mut raised = 0i64;
+    while raised < n {
+        let upto = (raised + 500).min(n);
+        c.execute(
+            "SELECT count(pgq.insert_event('bench', 'bench.tick', \
+                    jsonb_build_object('k', i, 'amount', 150.5, 'currency', 'EUR')::text)) \
+               FROM generate_series($1::int8 + 1, $2::int8) i",
+            &[&raised, &upto],
+        )
+        .unwrap();
+        c.batch_execute("SELECT pgq.ticker('bench')").unwrap();
+        raised = upto;
+    }
+    c.batch_execute("CHECKPOINT").unwrap();
+    let start = Instant::now();
+    loop {
+        let mut tx = c.transaction().unwrap();
+        let batch: Option<i64> = tx
+            .query_one("SELECT pgq.next_batch('bench', 'ledger')", &[])
+            .unwrap()
+            .get(0);
+        let Some(batch) = batch else { break };
+        tx.execute(
+            "INSERT INTO ledger (k, pos) SELECT (ev_data::jsonb->>'k')::bigint, ev_id::text \
+               FROM pgq.get_batch_events($1)",
+            &[&batch],
+        )
+        .unwrap();
+        tx.execute("SELECT pgq.finish_batch($1)", &[&batch])
+            .unwrap();
+        tx.commit().unwrap();
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let got: i64 = c
+        .query_one("SELECT count(*) FROM ledger", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(got, n, "PgQ delivered every event once");
+    rate
+}
+
+/// A hand-written queue draining `n` rows into the ledger: `clients` connections (as many as the
+/// workers) each delete up to 128 rows with FOR UPDATE SKIP LOCKED and insert them into the ledger
+/// in one statement, until the queue is empty.
+fn skip_locked_drain(cluster: &Cluster, c: &mut Client, clients: usize, n: i64) -> f64 {
+    c.batch_execute("TRUNCATE ledger, plain_queue").unwrap();
+    c.execute(
+        "INSERT INTO plain_queue (payload) \
+         SELECT jsonb_build_object('k', i, 'amount', 150.5, 'currency', 'EUR') FROM generate_series(1, $1::int8) i",
+        &[&n],
+    )
+    .unwrap();
+    c.batch_execute("VACUUM ANALYZE plain_queue").unwrap();
+    c.batch_execute("CHECKPOINT").unwrap();
+    let start = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|_| {
+            let mut c = cluster.connect("bench", "postgres");
+            std::thread::spawn(move || loop {
+                let moved = c
+                    .execute(
+                        "WITH claimed AS ( \
+                             DELETE FROM plain_queue WHERE id IN ( \
+                                 SELECT id FROM plain_queue ORDER BY id LIMIT 128 FOR UPDATE SKIP LOCKED) \
+                             RETURNING id, payload) \
+                         INSERT INTO ledger (k, pos) SELECT (payload->>'k')::bigint, id::text FROM claimed",
+                        &[],
+                    )
+                    .unwrap();
+                if moved == 0 {
+                    return;
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let got: i64 = c
+        .query_one("SELECT count(*) FROM ledger", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(got, n, "the queue delivered every row once");
+    rate
+}
+
 fn main() {
     let events: i64 = env_or("BENCH_EVENTS", 200_000);
     let seconds: u64 = env_or("BENCH_SECONDS", 10);
@@ -123,14 +223,40 @@ fn main() {
         );
         println!("sink: a SQL function inserting every event it is handed into a table\n");
         println!("{:<46} {:>12}", "drain of waiting events", "events/s");
-        for batch in [128, 1000] {
-            let rate = drain(c, batch, events);
-            println!(
-                "{:<46} {:>12.0}",
-                format!("{events} events, batch_size {batch}"),
-                rate
-            );
-        }
+        let ours = drain(c, 128, events);
+        println!(
+            "{:<46} {:>12.0}",
+            format!("{events} events, batch_size 128"),
+            ours
+        );
+        // PgQ's batches are the events between two ticks: 500 with pgqd's defaults.
+        let as_pgq = drain(c, 500, events);
+        println!(
+            "{:<46} {:>12.0}",
+            format!("{events} events, batch_size 500"),
+            as_pgq
+        );
+        let big = drain(c, 1000, events);
+        println!(
+            "{:<46} {:>12.0}",
+            format!("{events} events, batch_size 1000"),
+            big
+        );
+        let pgq = pgq_drain(c, events);
+        println!(
+            "{:<46} {:>12.0}",
+            "PgQ consumer loop (batches of 500, 1 client)", pgq
+        );
+        let queue = skip_locked_drain(cluster, c, 2, events);
+        println!(
+            "{:<46} {:>12.0}",
+            "SKIP LOCKED delete+insert (128, 2 clients)", queue
+        );
+        println!(
+            "ratios: batch_size 500 / PgQ (batches of 500) {:.2}; batch_size 128 / SKIP LOCKED (128) {:.2}",
+            as_pgq / pgq,
+            ours / queue
+        );
         println!(
             "\n{:<46} {:>10} {:>8} {:>8} {:>8} {:>8}",
             "commit-to-handler latency (ms)", "events/s", "p50", "p95", "p99", "max"

@@ -60,22 +60,35 @@ fn lookup_for_update(consumer: &str) -> Option<Consumer> {
     .expect("reading outbox.consumers")
 }
 
-/// Validates a consumer (or sink) name argument and refuses a caller that does not act for its
-/// owner. Returns the consumer, its row locked.
-pub fn owned_consumer(consumer: Option<&str>, action: &'static str) -> (String, Consumer) {
-    let consumer = required(consumer, "consumer").or_report();
-    names::validate("consumer", consumer).or_report();
+/// Validates the name argument of a consumer, sink or subscription (`what`, as the caller calls
+/// it, in messages) and refuses a caller that does not act for its owner. Returns the consumer,
+/// its row locked.
+pub fn owned(what: &'static str, name: Option<&str>, action: &'static str) -> (String, Consumer) {
+    let argument = if what == "sink" { "id" } else { what };
+    let name = required(name, argument).or_report();
+    names::validate(what, name).or_report();
     let me = caller();
-    let found = as_owner(|| lookup_for_update(consumer))
-        .unwrap_or_else(|| Error::UnknownConsumer(consumer.into()).report());
+    let found = as_owner(|| lookup_for_update(name)).unwrap_or_else(|| {
+        Error::UnknownConsumer {
+            what,
+            name: name.into(),
+        }
+        .report()
+    });
     if !acts_for(me, found.owner) {
         Error::NotOwner {
-            consumer: consumer.into(),
+            what,
+            consumer: name.into(),
             action,
         }
         .report();
     }
-    (consumer.to_string(), found)
+    (name.to_string(), found)
+}
+
+/// `owned` for a consumer of any kind.
+pub fn owned_consumer(consumer: Option<&str>, action: &'static str) -> (String, Consumer) {
+    owned("consumer", consumer, action)
 }
 
 /// `owned_consumer`, refusing a sink (its cursor moves with its deliveries).

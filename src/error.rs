@@ -11,10 +11,16 @@ use pgrx::{PgLogLevel, PgSqlErrorCode};
 pub enum Error {
     /// Bad input caught by the pure core.
     Invalid(Invalid),
-    UnknownConsumer(String),
+    /// No consumer of that name; `what` is how the caller called it (consumer, sink,
+    /// subscription).
+    UnknownConsumer {
+        what: &'static str,
+        name: String,
+    },
     ConsumerExists(String),
     /// The caller is not a member of the role that owns the consumer.
     NotOwner {
+        what: &'static str,
         consumer: String,
         action: &'static str,
     },
@@ -46,6 +52,8 @@ pub enum Error {
         handler: String,
         why: String,
     },
+    /// A handler oid that names no function.
+    UnknownHandler(u32),
     /// The caller may not execute the handler it registers.
     HandlerNotExecutable(String),
     /// An operation that needs READ COMMITTED (fresh snapshots per statement).
@@ -68,7 +76,7 @@ impl Error {
                 InvalidKind::Text => ERRCODE_INVALID_TEXT_REPRESENTATION,
                 InvalidKind::Name => ERRCODE_INVALID_NAME,
             },
-            Error::UnknownConsumer(_) => ERRCODE_UNDEFINED_OBJECT,
+            Error::UnknownConsumer { .. } => ERRCODE_UNDEFINED_OBJECT,
             Error::ConsumerExists(_) => ERRCODE_DUPLICATE_OBJECT,
             Error::NotOwner { .. } | Error::ScheduleDenied(_) | Error::NotScheduleOwner(_) => {
                 ERRCODE_INSUFFICIENT_PRIVILEGE
@@ -80,6 +88,7 @@ impl Error {
             Error::NotASink(_) | Error::NotASubscription(_) => ERRCODE_WRONG_OBJECT_TYPE,
             Error::NoDeadLetter { .. } => ERRCODE_UNDEFINED_OBJECT,
             Error::BadHandler { .. } => ERRCODE_INVALID_FUNCTION_DEFINITION,
+            Error::UnknownHandler(_) => ERRCODE_UNDEFINED_FUNCTION,
             Error::HandlerNotExecutable(_) => ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::Isolation(_) => ERRCODE_ACTIVE_SQL_TRANSACTION,
         }
@@ -88,10 +97,14 @@ impl Error {
     fn message(&self) -> String {
         match self {
             Error::Invalid(e) => e.message.clone(),
-            Error::UnknownConsumer(name) => format!("consumer \"{name}\" does not exist"),
+            Error::UnknownConsumer { what, name } => format!("{what} \"{name}\" does not exist"),
             Error::ConsumerExists(name) => format!("consumer \"{name}\" already exists"),
-            Error::NotOwner { consumer, action } => {
-                format!("permission denied to {action} consumer \"{consumer}\"")
+            Error::NotOwner {
+                what,
+                consumer,
+                action,
+            } => {
+                format!("permission denied to {action} {what} \"{consumer}\"")
             }
             Error::BeyondHorizon { position, .. } => {
                 format!("position {position} is beyond the read horizon")
@@ -113,6 +126,7 @@ impl Error {
                 format!("sink \"{sink}\" has no dead letter at position {position}")
             }
             Error::BadHandler { handler, why } => format!("handler {handler} {why}"),
+            Error::UnknownHandler(oid) => format!("handler {oid} does not exist"),
             Error::HandlerNotExecutable(handler) => {
                 format!("permission denied to register handler {handler}")
             }
@@ -132,16 +146,20 @@ impl Error {
     fn hint(&self) -> Option<String> {
         match self {
             Error::Invalid(e) => e.hint.clone(),
-            Error::UnknownConsumer(_) => Some("create it with outbox.create_consumer()".into()),
+            Error::UnknownConsumer { what, .. } => Some(match *what {
+                "sink" => "create it with outbox.create_sink() or outbox.create_http_sink()".into(),
+                "subscription" => "create it with outbox.subscribe()".into(),
+                _ => "create it with outbox.create_consumer()".into(),
+            }),
             Error::ScheduleDenied(_) => Some(
                 "a schedule writes as the extension's owner: the scheduling role needs EXECUTE on what its runs call".into(),
             ),
             Error::NotScheduleOwner(_) => {
                 Some("only members of the role that created the schedule may drop it".into())
             }
-            Error::NotOwner { .. } => {
-                Some("only members of the role that created the consumer may change it".into())
-            }
+            Error::NotOwner { what, .. } => Some(format!(
+                "only members of the role that created the {what} may change it"
+            )),
             Error::BeyondHorizon { .. } => {
                 Some("advance only to positions that outbox.read() returned".into())
             }
@@ -152,7 +170,9 @@ impl Error {
             Error::NotPull { kind, .. } if kind == "sink" => {
                 Some("a sink's cursor moves with its deliveries; use outbox.drop_sink() or outbox.rewind()".into())
             }
-            Error::NotASink(_) => Some("outbox.replay() re-delivers a sink's dead letters".into()),
+            Error::NotASink(_) | Error::NotASubscription(_) => {
+                Some("it is a consumer of another kind: outbox.status() shows each one's kind".into())
+            }
             Error::BadHandler { .. } => Some(
                 "a sink handler takes one argument of type outbox.event[] (raising an error fails the batch); a subscription handler takes one outbox.event (raising an error fails the job)".into(),
             ),

@@ -105,15 +105,17 @@ fn prune(
         ))
         .report();
     }
-    let negative = crate::query::one::<bool>(
-        "SELECT $1 OPERATOR(pg_catalog.<) '0'::pg_catalog.interval",
+    // Checked here: now() - retention out of the timestamp range would fail inside the DELETE.
+    let in_range = crate::query::one::<bool>(
+        "SELECT $1 OPERATOR(pg_catalog.>=) '0'::pg_catalog.interval \
+            AND $1 OPERATOR(pg_catalog.<=) '1000 years'::pg_catalog.interval",
         &[DatumWithOid::from(retention)],
     )
     .unwrap_or(false);
-    if negative {
+    if !in_range {
         Error::from(Invalid::new(
             InvalidKind::Parameter,
-            "retention must not be negative",
+            "retention must be between 0 and 1000 years",
         ))
         .report();
     }

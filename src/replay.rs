@@ -3,7 +3,7 @@
 //! start of the sink's next pass. Delivered: the dead letter is deleted. Failed again: it stays,
 //! with one more attempt and the new error.
 
-use crate::cursor::owned_consumer;
+use crate::cursor::owned;
 use crate::dispatch::PassResult;
 use crate::error::{Error, OrReport};
 use crate::owner::as_owner;
@@ -86,7 +86,7 @@ fn request(sink: &str, position: Option<Position>) -> i64 {
 }
 
 fn owned_sink(sink: Option<&str>) -> String {
-    let (name, consumer) = owned_consumer(sink, "replay to");
+    let (name, consumer) = owned("sink", sink, "replay to");
     if consumer.kind != "sink" {
         Error::NotASink(name).report();
     }

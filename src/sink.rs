@@ -1,7 +1,7 @@
 //! SQL sinks: `create_sink`, `pause_sink`, `resume_sink`, `drop_sink`. Delivery is in
 //! `dispatch`.
 
-use crate::cursor::{insert_consumer, lock_cursors_shared, owned_consumer, start_cursor};
+use crate::cursor::{insert_consumer, lock_cursors_shared, owned, start_cursor};
 use crate::error::{Error, OrReport};
 use crate::owner::{as_owner, caller};
 use crate::raw::RawRegprocedure;
@@ -19,16 +19,16 @@ pub(crate) fn check_handler(handler: pg_sys::Oid, argument: &str) {
                 CASE WHEN p.prokind <> 'f' THEN 'must be a plain function, not a procedure or aggregate' \
                      WHEN p.pronargs <> 1 OR p.proargtypes[0] <> $2::pg_catalog.regtype \
                      THEN 'must take exactly one argument of type ' || $2 \
-                     WHEN p.proretset THEN 'must not return a set' END \
-           FROM pg_catalog.pg_proc p WHERE p.oid = $1",
+                     WHEN p.provariadic <> 0 THEN 'must not be VARIADIC' \
+                     WHEN p.proretset THEN 'must not return a set' \
+                     WHEN n.nspname LIKE 'pg\\_temp\\_%' OR n.nspname = 'pg_temp' \
+                     THEN 'must not be a temporary function (it goes with the session that made it)' END \
+           FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
+          WHERE p.oid = $1",
         &[DatumWithOid::from(handler), DatumWithOid::from(argument)],
     );
     let Some((Some(name), why)) = row else {
-        Error::BadHandler {
-            handler: format!("{}", handler.to_u32()),
-            why: "does not exist".into(),
-        }
-        .report()
+        Error::UnknownHandler(handler.to_u32()).report()
     };
     if let Some(why) = why {
         Error::BadHandler { handler: name, why }.report();
@@ -198,7 +198,7 @@ fn create_http_sink(
 }
 
 fn owned_sink(id: Option<&str>, action: &'static str) -> String {
-    let (name, found) = owned_consumer(id, action);
+    let (name, found) = owned("sink", id, action);
     if found.kind != "sink" {
         Error::NotASink(name).report();
     }

@@ -1,7 +1,7 @@
 //! Subscriptions: `subscribe`, `unsubscribe`, `pause_subscription`, `resume_subscription`.
 //! Fan-out is in `dispatch::fanout`, running their jobs in `dispatch::jobs`.
 
-use crate::cursor::{insert_consumer, lock_cursors_shared, owned_consumer, start_cursor};
+use crate::cursor::{insert_consumer, lock_cursors_shared, owned, start_cursor};
 use crate::error::{Error, OrReport};
 use crate::owner::{as_owner, caller};
 use crate::raw::RawRegprocedure;
@@ -94,7 +94,7 @@ fn subscribe(
 }
 
 fn owned_subscription(name: Option<&str>, action: &'static str) -> String {
-    let (name, found) = owned_consumer(name, action);
+    let (name, found) = owned("subscription", name, action);
     if found.kind != "subscription" {
         Error::NotASubscription(name).report();
     }

@@ -129,3 +129,38 @@ pub fn with_bench_cluster(
         std::panic::resume_unwind(e);
     }
 }
+
+/// Appends a JSON line to the file named by BENCH_JSON, if set (for `benches/report.py`).
+fn append(line: serde_json::Value) {
+    let Ok(path) = std::env::var("BENCH_JSON") else {
+        return;
+    };
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("opening {path}: {e}"));
+    writeln!(file, "{line}").unwrap();
+}
+
+/// Records one figure: figures of one `chart` share a `title` and `unit`; each is a point
+/// (`x`, `y`) of a `series` (pg_outbox, or the baseline it is measured against). `x` is a number
+/// (a line chart) or a label (grouped bars).
+pub fn record(
+    chart: &str,
+    title: &str,
+    unit: &str,
+    series: &str,
+    x: impl Into<serde_json::Value>,
+    y: f64,
+) {
+    append(serde_json::json!({
+        "chart": chart, "title": title, "unit": unit, "series": series, "x": x.into(), "y": y,
+    }));
+}
+
+/// Records a ratio against a baseline, with its target if it has one.
+pub fn record_ratio(what: &str, ratio: f64, target: Option<f64>) {
+    append(serde_json::json!({ "ratio": what, "value": ratio, "target": target }));
+}

@@ -70,14 +70,125 @@ fn bound_by_macros(source: &str) -> Vec<String> {
     bound
 }
 
+/// The longest filter, in bytes.
+pub const MAX_BYTES: usize = 2048;
+/// The deepest nesting of brackets a filter may have, checked before it is parsed: the parser
+/// recurses per level and a few dozen levels overflow a debug build's stack (a crash of the
+/// backend, and of every session with it).
+pub const MAX_BRACKETS: usize = 16;
+/// The deepest expression a filter may be, checked after parsing: evaluation recurses per level
+/// (`1 + 1 + ... > 0` with 300 terms overflowed the worker's stack on a debug build).
+pub const MAX_DEPTH: usize = 32;
+
+fn too_complex(why: String) -> Invalid {
+    Invalid::new(InvalidKind::Parameter, format!("filter is too complex: {why}"))
+        .with_hint("a filter is a short predicate over one event; split the logic between subscriptions or into the handler")
+}
+
+/// The deepest nesting of (), [] and {} outside string literals.
+fn bracket_depth(source: &str) -> usize {
+    let (mut depth, mut deepest) = (0usize, 0usize);
+    let mut quote: Option<char> = None;
+    let mut escaped = false;
+    for c in source.chars() {
+        if let Some(q) = quote {
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == q {
+                quote = None;
+            }
+            continue;
+        }
+        match c {
+            '"' | '\'' => quote = Some(c),
+            '(' | '[' | '{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            ')' | ']' | '}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
+}
+
+/// The depth of an expression tree, walked with a stack of its own (a deep tree must not
+/// overflow this walk either).
+fn expression_depth(root: &cel::parser::Expression) -> usize {
+    use cel::common::ast::{EntryExpr, Expr};
+    let mut deepest = 0;
+    let mut stack = vec![(root, 1usize)];
+    while let Some((e, depth)) = stack.pop() {
+        deepest = deepest.max(depth);
+        match &e.expr {
+            Expr::Call(call) => {
+                if let Some(target) = &call.target {
+                    stack.push((target, depth + 1));
+                }
+                stack.extend(call.args.iter().map(|a| (a, depth + 1)));
+            }
+            Expr::Comprehension(c) => {
+                for child in [
+                    &c.iter_range,
+                    &c.accu_init,
+                    &c.loop_cond,
+                    &c.loop_step,
+                    &c.result,
+                ] {
+                    stack.push((child, depth + 1));
+                }
+            }
+            Expr::List(list) => stack.extend(list.elements.iter().map(|a| (a, depth + 1))),
+            Expr::Map(map) => {
+                for entry in &map.entries {
+                    if let EntryExpr::MapEntry(m) = &entry.expr {
+                        stack.push((&m.key, depth + 1));
+                        stack.push((&m.value, depth + 1));
+                    }
+                }
+            }
+            Expr::Struct(st) => {
+                for entry in &st.entries {
+                    if let EntryExpr::StructField(f) = &entry.expr {
+                        stack.push((&f.value, depth + 1));
+                    }
+                }
+            }
+            Expr::Select(select) => stack.push((&select.operand, depth + 1)),
+            Expr::Unspecified | Expr::Ident(_) | Expr::Literal(_) => {}
+        }
+    }
+    deepest
+}
+
 impl Filter {
     pub fn compile(source: &str) -> Result<Filter, Invalid> {
         if source.trim().is_empty() {
             return Err(Invalid::new(InvalidKind::Parameter, "filter is empty")
                 .with_hint("pass NULL for a subscription without a filter"));
         }
+        if source.len() > MAX_BYTES {
+            return Err(too_complex(format!(
+                "{} bytes, at most {MAX_BYTES}",
+                source.len()
+            )));
+        }
+        let brackets = bracket_depth(source);
+        if brackets > MAX_BRACKETS {
+            return Err(too_complex(format!(
+                "brackets nested {brackets} deep, at most {MAX_BRACKETS}"
+            )));
+        }
         let program = Program::compile(source)
             .map_err(|e| Invalid::new(InvalidKind::Parameter, format!("invalid filter: {e}")))?;
+        let depth = expression_depth(program.expression());
+        if depth > MAX_DEPTH {
+            return Err(too_complex(format!(
+                "an expression {depth} levels deep, at most {MAX_DEPTH}"
+            )));
+        }
         let bound = bound_by_macros(source);
         let references = program.references();
         let mut unknown: Vec<&str> = references
@@ -202,6 +313,28 @@ mod tests {
         Filter::compile(source)
             .unwrap()
             .matches(&event(&payload, tenant))
+    }
+
+    /// Runs in a test thread (2 MB of stack, less than a backend's 8 MB): what passes here
+    /// cannot overflow the server.
+    #[test]
+    fn filters_too_deep_or_too_long_are_refused_without_overflowing() {
+        let refused = |source: &str| {
+            let e = Filter::compile(source).expect_err(source);
+            assert!(e.message.contains("too complex"), "{source}: {}", e.message);
+        };
+        refused(&format!("{}true{}", "(".repeat(60), ")".repeat(60)));
+        refused(&format!("{}true{}", "[".repeat(17), "]".repeat(17)));
+        refused(&format!("payload.a{} > 1", ".a".repeat(40)));
+        refused(&format!("1{} > 0", " + 1".repeat(300)));
+        refused(&format!("1{} > 0", "+1".repeat(1000)));
+        refused(&format!("topic == \"{}\"", "x".repeat(3000)));
+        // Brackets inside strings do not count; ordinary filters pass.
+        Filter::compile(&format!("topic == \"{}\"", "(".repeat(100))).unwrap();
+        Filter::compile(r#"payload.amount > 100 && tenant in ["acme", "globex"] && payload.items.exists(i, i.sku == "X1")"#).unwrap();
+        Filter::compile(&format!("1{} > 0", " + 1".repeat(25))).unwrap();
+        // CEL balances && and || chains: 40 clauses are 7 levels deep.
+        Filter::compile(&format!("true{}", " && true".repeat(40))).unwrap();
     }
 
     #[test]

@@ -42,7 +42,9 @@ impl Destination {
             }
             other => return Err(refuse(format!("unsupported url scheme \"{other}\""))),
         }
-        if url.host().is_none() {
+        // "https:///in" parses as host "in": the text itself must name a host after "//".
+        let after_scheme = text.split_once("://").map_or("", |(_, rest)| rest);
+        if url.host().is_none() || after_scheme.starts_with('/') || after_scheme.is_empty() {
             return Err(refuse("the url has no host".into()));
         }
         if !url.username().is_empty() || url.password().is_some() {
@@ -308,6 +310,9 @@ mod tests {
             "https://user:pw@x.example/",
             "https://x.example/#frag",
             "file:///etc/passwd",
+            "https:///in",
+            "https:/in",
+            "https:in",
         ] {
             assert!(Destination::parse(bad, lax).is_err(), "{bad}");
         }

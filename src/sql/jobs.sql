@@ -70,8 +70,15 @@ BEGIN
     IF key = '' OR length(key) > 255 THEN
         RAISE EXCEPTION 'key must be 1 to 255 characters (NULL for none)' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF max_attempts IS NULL OR max_attempts NOT BETWEEN 1 AND 1000 THEN
+    IF max_attempts IS NULL THEN
+        RAISE EXCEPTION 'max_attempts must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF max_attempts NOT BETWEEN 1 AND 1000 THEN
         RAISE EXCEPTION 'max_attempts must be between 1 and 1000' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF run_at IS NOT NULL AND NOT isfinite(run_at) THEN
+        RAISE EXCEPTION 'run_at must be a finite time' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'a job at infinity would never run; NULL means now';
     END IF;
     INSERT INTO outbox.jobs AS j (queue, payload, key, run_at, max_attempts)
     VALUES (queue, coalesce(payload, '{}'), key, coalesce(run_at, now()), max_attempts)
@@ -116,7 +123,10 @@ BEGIN
     IF queue IS NULL OR queue OPERATOR(pg_catalog.!~) '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$' THEN
         PERFORM outbox._check_queue(queue);
     END IF;
-    IF max_jobs IS NULL OR max_jobs OPERATOR(pg_catalog.<) 1 OR max_jobs OPERATOR(pg_catalog.>) 1000 THEN
+    IF max_jobs IS NULL THEN
+        RAISE EXCEPTION 'max_jobs must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF max_jobs OPERATOR(pg_catalog.<) 1 OR max_jobs OPERATOR(pg_catalog.>) 1000 THEN
         RAISE EXCEPTION 'max_jobs must be between 1 and 1000' USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF lease IS NULL THEN
@@ -224,8 +234,11 @@ $$;
 CREATE FUNCTION outbox.extend(job bigint, lease interval DEFAULT '30 seconds') RETURNS boolean
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    IF job IS NULL OR lease IS NULL OR lease <= '0' OR lease > '1 day' THEN
-        RAISE EXCEPTION 'job must not be NULL, lease positive and at most a day' USING ERRCODE = 'invalid_parameter_value';
+    IF job IS NULL OR lease IS NULL THEN
+        RAISE EXCEPTION 'job and lease must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF lease <= '0' OR lease > '1 day' THEN
+        RAISE EXCEPTION 'lease must be positive and at most a day' USING ERRCODE = 'invalid_parameter_value';
     END IF;
     UPDATE outbox.jobs SET lease_until = now() + lease WHERE id = job AND state = 'running';
     RETURN FOUND;

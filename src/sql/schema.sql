@@ -107,6 +107,11 @@ BEGIN
     IF max_events IS NULL THEN
         RAISE EXCEPTION 'max_events must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
+    -- The rule of pg_outbox_core::name, so that a bad name says so rather than "does not exist".
+    IF consumer !~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$' THEN
+        RAISE EXCEPTION 'invalid consumer name "%"', consumer USING ERRCODE = 'invalid_name',
+            HINT = 'a consumer name is 1 to 63 letters, digits, ''_'', ''-'' or ''.'', starting with a letter or digit';
+    END IF;
     -- 100000: pg_outbox_core::limits::READ_MAX (the result is materialised).
     IF max_events < 1 OR max_events > 100000 THEN
         RAISE EXCEPTION 'max_events must be between 1 and 100000, not %', max_events

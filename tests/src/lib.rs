@@ -37,13 +37,17 @@ fn is_root() -> bool {
 /// Runs a PostgreSQL binary, as `postgres` when we are root (the server refuses root).
 fn pg_command(bin: &str) -> Command {
     let path = format!("{PG_BIN}/{bin}");
-    if is_root() {
+    let mut c = if is_root() {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--", &path]);
         c
     } else {
         Command::new(path)
-    }
+    };
+    // A server started from a shell that sets RUST_BACKTRACE would add a Rust backtrace to the
+    // DETAIL of errors raised through SPI: not what a server normally says, nor deterministic.
+    c.env_remove("RUST_BACKTRACE");
+    c
 }
 
 fn run(mut cmd: Command, what: &str) {

@@ -13,14 +13,33 @@ fn golden_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("golden")
 }
 
-/// The output with what differs between runs taken out: LOCATION lines (source file and line of
-/// the server that raised the error).
-fn normalise(output: &str) -> String {
+/// The output with what differs between runs and checkouts taken out: LOCATION lines (source file
+/// and line of the server that raised the error), the SQL file's directory in psql's
+/// "psql:<file>:<line>:" prefixes, and the number of the session's temporary schema.
+fn normalise(output: &str, sql: &Path) -> String {
+    let dir = format!("{}/", sql.parent().unwrap().display());
     output
         .lines()
         .filter(|l| !l.starts_with("LOCATION:"))
-        .map(|l| format!("{}\n", l.trim_end()))
+        .map(|l| format!("{}\n", temp_schemas(&l.replace(&dir, "")).trim_end()))
         .collect()
+}
+
+/// `pg_temp_<n>` (n depends on the backend) written as `pg_temp_N`.
+fn temp_schemas(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut rest = line;
+    while let Some(i) = rest.find("pg_temp_") {
+        out.push_str(&rest[..i + "pg_temp_".len()]);
+        rest = &rest[i + "pg_temp_".len()..];
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits > 0 {
+            out.push('N');
+            rest = &rest[digits..];
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 fn run(sql: &Path) -> String {
@@ -42,7 +61,7 @@ fn run(sql: &Path) -> String {
         .output()
         .expect("running psql");
     assert!(out.status.success(), "psql failed: {command}");
-    normalise(&String::from_utf8_lossy(&out.stdout))
+    normalise(&String::from_utf8_lossy(&out.stdout), sql)
 }
 
 #[test]

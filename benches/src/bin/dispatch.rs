@@ -6,7 +6,9 @@
 //! Run through `bash benches/dispatch.sh` (builds and installs the release build first).
 //! BENCH_EVENTS (default 200000) sets the drain size, BENCH_SECONDS (default 10) each latency run.
 
-use pg_outbox_benches::{env_or, head, raise_load, with_bench_cluster, Latency};
+use pg_outbox_benches::{
+    env_or, head, raise_load, record, record_ratio, with_bench_cluster, Latency,
+};
 use pg_outbox_tests::{eventually, Cluster};
 use postgres::Client;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -257,12 +259,35 @@ fn main() {
             as_pgq / pgq,
             ours / queue
         );
+        let title = format!("Draining {events} waiting events into a table");
+        for (series, x, y) in [
+            ("pg_outbox SQL sink", "batch 128", ours),
+            ("pg_outbox SQL sink", "batch 500", as_pgq),
+            ("pg_outbox SQL sink", "batch 1000", big),
+            ("PgQ consumer loop", "batch 500", pgq),
+            ("SKIP LOCKED queue, 2 clients", "batch 128", queue),
+        ] {
+            record("drain", &title, "events/s", series, x, y);
+        }
+        record_ratio(
+            "dispatch (batch 500) / PgQ consumer loop (batches of 500)",
+            as_pgq / pgq,
+            Some(1.0),
+        );
+        record_ratio(
+            "dispatch (batch 128) / SKIP LOCKED queue (128, 2 clients)",
+            ours / queue,
+            Some(2.0),
+        );
         println!(
             "\n{:<46} {:>10} {:>8} {:>8} {:>8} {:>8}",
             "commit-to-handler latency (ms)", "events/s", "p50", "p95", "p99", "max"
         );
         for (label, clients, rate) in [
+            ("steady 100 events/s (4 clients x 25/s)", 4, Some(25.0)),
             ("steady 500 events/s (4 clients x 125/s)", 4, Some(125.0)),
+            ("steady 1000 events/s (4 clients x 250/s)", 4, Some(250.0)),
+            ("steady 2000 events/s (4 clients x 500/s)", 4, Some(500.0)),
             ("saturation, 4 clients", 4, None),
         ] {
             let l = latency(cluster, c, clients, rate, seconds);
@@ -270,6 +295,22 @@ fn main() {
                 "{:<46} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
                 label, l.rate, l.p50, l.p95, l.p99, l.max
             );
+            let title = "Commit-to-handler latency against rate (SQL sink)";
+            for (series, y) in [
+                ("p50", l.p50),
+                ("p95", l.p95),
+                ("p99", l.p99),
+                ("max", l.max),
+            ] {
+                record("latency", title, "ms", series, l.rate.round(), y);
+            }
+            if rate == Some(125.0) {
+                record_ratio(
+                    "latency p99 at 500 events/s (ms; target: at most 25)",
+                    l.p99,
+                    Some(25.0),
+                );
+            }
         }
         println!();
     });

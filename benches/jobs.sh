@@ -16,11 +16,8 @@ JOBS=${BENCH_JOBS:-100000}
 DIR=/tmp/pg_outbox-bench-jobs.$$
 PORT=$((30000 + $$ % 20000))
 
-bash scripts/setup.sh
-export PATH="$HOME/.cargo/bin:$PATH"
-echo "[bench] building and installing pg_outbox (release)" >&2
-cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >/tmp/pg_outbox-install.log 2>&1 \
-  || { cat /tmp/pg_outbox-install.log; exit 1; }
+source benches/lib.sh
+bench_prepare
 
 trap 'cluster_stop "$DIR"' EXIT
 cluster_start "$DIR" "$PORT" "shared_buffers = '1GB'" "max_wal_size = '4GB'"
@@ -101,5 +98,14 @@ for clients in 2 4; do
     "" "hand-written: delete-on-claim, one statement (at most once)" "$plain"
   printf '%-8s ratios: no lease / lock+delete %s; lease / lock+delete %s; no lease / delete-on-claim %s; lease / delete-on-claim %s\n\n' "" \
     "$(ratio "$tx" "$locked")" "$(ratio "$lease" "$locked")" "$(ratio "$tx" "$plain")" "$(ratio "$lease" "$plain")"
+  if [ -n "${BENCH_JSON:-}" ]; then
+    for pair in "pg_outbox, no lease:$tx" "hand-written lock+delete:$locked" "pg_outbox, 30 s lease:$lease" \
+                "hand-written delete-on-claim:$plain"; do
+      printf '{"chart": "jobs", "title": "External workers: claim 10 + complete", "unit": "jobs/s", "series": "%s", "x": "%s workers", "y": %s}\n' \
+        "${pair%%:*}" "$clients" "${pair##*:}" >>"$BENCH_JSON"
+    done
+    printf '{"ratio": "claim(lease => NULL) + complete_many / hand-written lock+delete, %s workers", "value": %s, "target": 0.8}\n' \
+      "$clients" "$(ratio "$tx" "$locked")" >>"$BENCH_JSON"
+  fi
 done
 echo

@@ -19,11 +19,8 @@ ROUNDS=${BENCH_ROUNDS:-2}
 DIR=/tmp/pg_outbox-bench.$$
 PORT=$((30000 + $$ % 20000))
 
-bash scripts/setup.sh
-export PATH="$HOME/.cargo/bin:$PATH"
-echo "[bench] building and installing pg_outbox (release)" >&2
-cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >"/tmp/pg_outbox-install.log" 2>&1 \
-  || { cat /tmp/pg_outbox-install.log; exit 1; }
+source benches/lib.sh
+bench_prepare
 
 trap 'cluster_stop "$DIR"' EXIT
 cluster_start "$DIR" "$PORT" "shared_buffers = '1GB'" "max_wal_size = '4GB'" "checkpoint_timeout = '30min'"
@@ -99,23 +96,29 @@ printf '\npg_outbox raise benchmark: PostgreSQL %s, %s cores, fsync on, %s s x %
   "$(psql_bench -Atc 'SHOW server_version')" "$(nproc)" "$SECONDS_PER" "$ROUNDS"
 printf '%-44s %8s %14s %14s %8s\n' "case" "clients" "pg_outbox/s" "plain/s" "ratio"
 row() {
-  local label=$1 ours=$2 theirs=$3 clients=$4 per_tx=$5 baseline=$6
+  local label=$1 ours=$2 theirs=$3 clients=$4 per_tx=$5 baseline=$6 chart=$7
   read -r a b < <(compare "$ours" "$theirs" "$clients" "$per_tx")
   local ratio
   ratio=$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')
   printf '%-44s %8s %14s %14s %8s\n' "$label" "$clients" "$a" "$b" "$ratio"
   if [ -n "${BENCH_JSON:-}" ]; then
-    printf '{"bench": "raise", "case": "%s", "clients": %s, "unit": "events/s", "ours": %s, "baseline": "%s", "theirs": %s, "ratio": %s}\n' \
-      "$label" "$clients" "$a" "$baseline" "$b" "$ratio" >>"$BENCH_JSON"
+    # For benches/report.py: both figures on one chart per case, and the ratio.
+    local title="$label"
+    printf '{"chart": "%s", "title": "%s", "unit": "events/s", "series": "pg_outbox", "x": "%s clients", "y": %s}\n' \
+      "$chart" "$title" "$clients" "$a" >>"$BENCH_JSON"
+    printf '{"chart": "%s", "title": "%s", "unit": "events/s", "series": "%s", "x": "%s clients", "y": %s}\n' \
+      "$chart" "$title" "$baseline" "$clients" "$b" >>"$BENCH_JSON"
+    printf '{"ratio": "%s, %s clients", "value": %s, "target": %s}\n' "$label" "$clients" "$ratio" \
+      "$(case "$baseline,$clients" in "plain INSERT,8") echo 0.9 ;; "PgQ,8") echo 1.0 ;; *) echo null ;; esac)" >>"$BENCH_JSON"
   fi
 }
 for clients in 1 8 32; do
-  row "1 event/tx: raise vs INSERT" raise.sql insert.sql "$clients" 1 "plain INSERT"
+  row "1 event/tx: raise vs INSERT" raise.sql insert.sql "$clients" 1 "plain INSERT" raise_insert
 done
-row "1000 events/tx: raise_many vs multi-row INSERT" raise_many.sql insert_many.sql 1 1000 "plain INSERT"
-row "1000 events/tx: raise_many vs multi-row INSERT" raise_many.sql insert_many.sql 2 1000 "plain INSERT"
+row "1000 events/tx: raise_many vs multi-row INSERT" raise_many.sql insert_many.sql 1 1000 "plain INSERT" raise_many_insert
+row "1000 events/tx: raise_many vs multi-row INSERT" raise_many.sql insert_many.sql 2 1000 "plain INSERT" raise_many_insert
 for clients in 1 8 32; do
-  row "1 event/tx: raise vs pgq.insert_event" raise.sql pgq.sql "$clients" 1 "PgQ"
+  row "1 event/tx: raise vs pgq.insert_event" raise.sql pgq.sql "$clients" 1 "PgQ" raise_pgq
 done
-row "1000 events/tx: raise_many vs pgq.insert_event" raise_many.sql pgq_many.sql 1 1000 "PgQ"
+row "1000 events/tx: raise_many vs pgq.insert_event" raise_many.sql pgq_many.sql 1 1000 "PgQ" raise_many_pgq
 echo

@@ -17,9 +17,10 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 need=()
-# postgresql-15-pgq3 and pgqd: PgQ, the peer the benchmarks measure pg_outbox against.
+# postgresql-15-pgq3 and pgqd: PgQ, the peer the benchmarks measure pg_outbox against;
+# python3-matplotlib draws the benchmark report's charts.
 for p in postgresql-15 postgresql-server-dev-15 postgresql-contrib libclang-dev clang pkg-config \
-         libssl-dev sudo postgresql-15-pgq3 pgqd; do
+         libssl-dev sudo postgresql-15-pgq3 pgqd python3-matplotlib; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if ((${#need[@]})); then

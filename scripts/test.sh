@@ -27,6 +27,12 @@ step "client-side tests against a throwaway preloaded cluster"
 cargo pgrx install --pg-config "$PG_CONFIG" >/dev/null
 cargo test -p pg_outbox_tests 2>&1 | tee -a "$log"
 
+step "benchmark report, short run (every benchmark for a second or two, with the test build)"
+# So that the benchmarks and the report cannot rot; the figures of this run mean nothing.
+BENCH_SHORT=1 BENCH_INSTALLED=1 BENCH_DEBUG=1 bash benches/report.sh >/tmp/pg_outbox-report-short.log 2>&1 \
+  || { tail -50 /tmp/pg_outbox-report-short.log; exit 1; }
+tail -1 /tmp/pg_outbox-report-short.log
+
 # pipefail stops the run at the first failing step; this sums what all suites ran.
 awk '/^test result:/ { p += $4; f += $6 } END { printf "\nsummary: %d passed, %d failed\n", p, f; exit (f > 0) }' \
   <(sed 's/;//g' "$log")

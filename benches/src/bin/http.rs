@@ -5,7 +5,9 @@
 //! Run through `bash benches/http.sh`. BENCH_EVENTS (default 50000) sets the drain size,
 //! BENCH_SECONDS (default 10) the latency run.
 
-use pg_outbox_benches::{env_or, head, ms_between, raise_load, with_bench_cluster, Latency};
+use pg_outbox_benches::{
+    env_or, head, ms_between, raise_load, record, with_bench_cluster, Latency,
+};
 use pg_outbox_tests::http_server::Receiver;
 use pg_outbox_tests::{eventually, Cluster};
 use postgres::Client;
@@ -123,6 +125,14 @@ fn main() {
                 (4, 1000, events / 4),
             ] {
                 let rate = drain(c, &rx, sinks, batch, n);
+                record(
+                    "http",
+                    "HTTP sinks draining waiting events to a loopback receiver (all sinks)",
+                    "events/s",
+                    &format!("{sinks} sink(s)"),
+                    format!("batch {batch}"),
+                    rate,
+                );
                 println!(
                     "{:<40} {:>12.0}",
                     format!("{sinks} sink(s), batch_size {batch}, {n} events each"),
@@ -144,6 +154,16 @@ fn main() {
                 "{:<40} {:>10.0} {:>8.2} {:>8.2} {:>8.2}\n",
                 "steady 500 events/s, 1 sink", rate, p50, p99, max
             );
+            for (series, y) in [("p50", p50), ("p99", p99), ("max", max)] {
+                record(
+                    "http_latency",
+                    "HTTP sink: commit-to-request latency at 500 events/s",
+                    "ms",
+                    series,
+                    "500 events/s",
+                    y,
+                );
+            }
         },
     );
 }

@@ -7,7 +7,7 @@
 //! BENCH_EVENTS (default 20000) sets the events per fan-out run, BENCH_JOBS (default 100000) the
 //! jobs per run of the handler.
 
-use pg_outbox_benches::{env_or, head, with_bench_cluster};
+use pg_outbox_benches::{env_or, head, record, record_ratio, with_bench_cluster};
 use pg_outbox_tests::eventually;
 use postgres::Client;
 use std::time::{Duration, Instant};
@@ -173,9 +173,22 @@ fn main() {
         );
         for subs in [1, 10, 100] {
             // At least 200,000 evaluations per run, so that fixed costs do not dominate.
-            let n = events.max(200_000 / subs as i64);
+            let n = events.max(env_or("BENCH_MIN_EVALUATIONS", 200_000) / subs as i64);
             let (us, written) = fanout(c, subs, n);
             println!("{subs:<16} {us:>22.2} {written:>12}");
+            record(
+                "fanout",
+                "Fan-out cost per event per subscription",
+                "µs",
+                "pg_outbox",
+                subs as f64,
+                us,
+            );
+            record_ratio(
+                &format!("fan-out µs per event per subscription, {subs} subscription(s) (target: at most 5)"),
+                us,
+                Some(5.0),
+            );
         }
         println!("\njobs run by the workers through a one-INSERT SQL handler ({jobs} jobs)\n");
         println!("{:<40} {:>12}", "", "jobs/s");
@@ -183,6 +196,28 @@ fn main() {
         println!("{:<40} {:>12.0}", "already queued", queued);
         let fanned = handler_jobs(c, jobs, true);
         println!("{:<40} {:>12.0}", "fan-out and run, end to end", fanned);
+        let title = "Jobs run by the workers through a SQL handler";
+        record(
+            "handler_jobs",
+            title,
+            "jobs/s",
+            "pg_outbox",
+            "already queued",
+            queued,
+        );
+        record(
+            "handler_jobs",
+            title,
+            "jobs/s",
+            "pg_outbox",
+            "fan-out and run",
+            fanned,
+        );
+        record_ratio(
+            "handler jobs per second / 20,000 (target)",
+            queued / 20_000.0,
+            Some(1.0),
+        );
         // Soak: rounds of churn through the handler. Finished jobs are deleted and autovacuum
         // (set on outbox.jobs to run after 10,000 dead rows) lets the space be reused, so the
         // table's size levels off instead of growing with every job that ever ran.
@@ -199,10 +234,18 @@ fn main() {
             handler_jobs(c, jobs, true);
             // Give autovacuum its turn (naptime 5 s), as it would have between bursts.
             std::thread::sleep(Duration::from_secs(6));
+            let kb = size(c) / 1024;
             println!(
-                "  round {round}: {} jobs ran in all, {} kB",
+                "  round {round}: {} jobs ran in all, {kb} kB",
                 (round as i64 + 2) * jobs,
-                size(c) / 1024
+            );
+            record(
+                "jobs_size",
+                "outbox.jobs size over a soak (table and indexes)",
+                "kB",
+                "outbox.jobs",
+                ((round as i64 + 2) * jobs) as f64,
+                kb as f64,
             );
         }
         println!();

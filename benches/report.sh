@@ -43,7 +43,7 @@ export BENCH_INSTALLED=1
 run() {
   local name=$1; shift
   echo "[report] $name" >&2
-  "$@" 2>&1 | tee "$OUT/$name.txt"
+  "$@" 2>&1 | sed 's/\x1b\[[0-9;]*m//g' | tee "$OUT/$name.txt"
 }
 run raise bash benches/raise.sh
 run dispatch bash benches/run.sh dispatch

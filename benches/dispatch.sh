@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Benchmark: dispatch throughput into a table sink (batch 128 and 1000) and commit-to-handler
-# latency (steady 500 events/s, and saturation) on a throwaway cluster with fsync on.
+# Benchmark: dispatch throughput into a table sink (batch 128, 500 and 1000) against PgQ's batch
+# consumer loop and a SKIP LOCKED queue; commit-to-handler latency at 100 to 2,000 events/s and at
+# saturation; the stall while a transaction holds the read horizon and the recovery after it; the
+# log's size over a long run with pruning on. A throwaway cluster with fsync on.
 #
 #   bash benches/dispatch.sh
-#   BENCH_EVENTS=20000 BENCH_SECONDS=3 bash benches/dispatch.sh     # a short run
+#   BENCH_EVENTS=20000 BENCH_SECONDS=3 BENCH_STALL_SECONDS=3 BENCH_SIZE_SECONDS=30 bash benches/dispatch.sh
 exec bash "$(dirname "$0")/run.sh" dispatch

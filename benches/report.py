@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 def load(path):
     charts = OrderedDict()
     ratios = []
+    x_units = {}
     with open(path) as f:
         for line in f:
             line = line.strip()
@@ -33,10 +34,16 @@ def load(path):
             if "ratio" in rec:
                 ratios.append(rec)
                 continue
+            if "x_unit" in rec:
+                x_units[rec["chart"]] = rec["x_unit"]
+                continue
             chart = charts.setdefault(
                 rec["chart"], {"title": rec["title"], "unit": rec["unit"], "series": OrderedDict()}
             )
             chart["series"].setdefault(rec["series"], []).append((rec["x"], rec["y"]))
+    for name, unit in x_units.items():
+        if name in charts:
+            charts[name]["x_unit"] = unit
     return charts, ratios
 
 
@@ -71,7 +78,9 @@ def draw(name, chart, out_dir):
     if numeric:
         for series, points in chart["series"].items():
             points = sorted(points)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=series)
+            # Dense series (a value per second, say) read better without markers.
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) <= 30 else None,
+                    label=series)
     else:
         xs = []
         for points in chart["series"].values():
@@ -86,6 +95,8 @@ def draw(name, chart, out_dir):
         ax.set_xticks([j + width * (len(chart["series"]) - 1) / 2 for j in range(len(xs))])
         ax.set_xticklabels([str(x) for x in xs], rotation=15, ha="right")
     ax.set_title(chart["title"])
+    if chart.get("x_unit"):
+        ax.set_xlabel(chart["x_unit"])
     ax.set_ylabel(chart["unit"])
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize="small")

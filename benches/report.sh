@@ -2,9 +2,10 @@
 # Every benchmark of pg_outbox in one run, then a report: REPORT.md with tables and PNG charts
 # (matplotlib) under benches/results/<date>/, each figure beside its baselines measured in the
 # same run on the same server (raise vs INSERT and PgQ; dispatch vs PgQ's consumer loop and a
-# SKIP LOCKED queue; latency against rate; HTTP sinks; fan-out; jobs vs hand-written queues).
+# SKIP LOCKED queue; latency against rate; a long transaction's stall and recovery; the log's size
+# over a long run with pruning; HTTP sinks; fan-out; jobs vs hand-written queues).
 #
-#   bash benches/report.sh                       # the full run (about 15 minutes on 2 cores)
+#   bash benches/report.sh                       # the full run (about 20 minutes on 2 cores)
 #   BENCH_SHORT=1 bash benches/report.sh         # seconds per benchmark: checks it all still runs
 #   BENCH_OUT=/tmp/r bash benches/report.sh      # somewhere else
 set -euo pipefail
@@ -13,7 +14,7 @@ source benches/lib.sh
 
 if [ -n "${BENCH_SHORT:-}" ]; then
   export BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_EVENTS=2000 BENCH_JOBS=2000 BENCH_SOAK_ROUNDS=2 \
-         BENCH_MIN_EVALUATIONS=2000
+         BENCH_MIN_EVALUATIONS=2000 BENCH_STALL_SECONDS=1 BENCH_SIZE_SECONDS=4
   OUT=${BENCH_OUT:-/tmp/pg_outbox-report-short}
 else
   OUT=${BENCH_OUT:-benches/results/$(date -u +%Y-%m-%d)}

@@ -160,6 +160,11 @@ pub fn record(
     }));
 }
 
+/// Names the unit of a line chart's x axis.
+pub fn record_x_unit(chart: &str, unit: &str) {
+    append(serde_json::json!({ "chart": chart, "x_unit": unit }));
+}
+
 /// Records a ratio against a baseline, with its target if it has one.
 pub fn record_ratio(what: &str, ratio: f64, target: Option<f64>) {
     append(serde_json::json!({ "ratio": what, "value": ratio, "target": target }));

@@ -4,10 +4,12 @@
 //! (fsync on, shared_buffers 1GB, pg_outbox preloaded), prints tables, stops the cluster.
 //!
 //! Run through `bash benches/dispatch.sh` (builds and installs the release build first).
-//! BENCH_EVENTS (default 200000) sets the drain size, BENCH_SECONDS (default 10) each latency run.
+//! BENCH_EVENTS (default 200000) sets the drain size, BENCH_SECONDS (default 10) each latency run,
+//! BENCH_STALL_SECONDS (default 10) how long the horizon is held, BENCH_SIZE_SECONDS (default 300)
+//! the long run.
 
 use pg_outbox_benches::{
-    env_or, head, raise_load, record, record_ratio, with_bench_cluster, Latency,
+    env_or, head, raise_load, record, record_ratio, record_x_unit, with_bench_cluster, Latency,
 };
 use pg_outbox_tests::{eventually, Cluster};
 use postgres::Client;
@@ -214,6 +216,93 @@ fn skip_locked_drain(cluster: &Cluster, c: &mut Client, clients: usize, n: i64) 
     rate
 }
 
+/// The stall: a steady 500 events/s for `3 * hold` seconds while, from `hold` to `2 * hold`, a
+/// transaction in another connection holds a transaction id open (the read horizon). Events
+/// committed meanwhile cannot be read until it ends. Returns each event's (seconds since the
+/// start at its commit, commit-to-handler ms), when the holder committed (seconds since the
+/// start), and how long after that the last delayed event was delivered (ms).
+fn stall(cluster: &Cluster, c: &mut Client, hold: u64) -> (Vec<(f64, f64)>, f64, f64) {
+    let sink = "stall";
+    new_sink(c, sink, 128);
+    let start = SystemTime::now();
+    let holder = {
+        let mut h = cluster.connect("bench", "postgres");
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(hold));
+            let mut tx = h.transaction().unwrap();
+            tx.batch_execute("SELECT pg_current_xact_id()").unwrap();
+            std::thread::sleep(Duration::from_secs(hold));
+            tx.commit().unwrap();
+            SystemTime::now()
+        })
+    };
+    let (commits, _) = raise_load(cluster, 4, Some(125.0), 3 * hold);
+    let released = holder.join().unwrap();
+    let last = head(c);
+    wait_for_cursor(c, sink, &last, Duration::from_secs(120));
+    let delivered: std::collections::HashMap<i64, i64> = c
+        .query(
+            "SELECT k, (extract(epoch FROM at) * 1000000)::int8 FROM ledger",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(delivered.len(), commits.len(), "every event delivered once");
+    let t0 = micros(start);
+    let points: Vec<(f64, f64)> = commits
+        .iter()
+        .map(|(k, at)| {
+            (
+                (micros(*at) - t0) as f64 / 1e6,
+                (delivered[k] - micros(*at)) as f64 / 1000.0,
+            )
+        })
+        .collect();
+    // The events committed while the horizon was held: the last of them to reach the handler.
+    let released_us = micros(released);
+    let caught_up = commits
+        .iter()
+        .filter(|(_, at)| micros(*at) < released_us)
+        .map(|(k, _)| delivered[k])
+        .max()
+        .unwrap_or(released_us);
+    c.execute("SELECT outbox.drop_sink($1)", &[&sink]).unwrap();
+    (
+        points,
+        (released_us - t0) as f64 / 1e6,
+        (caught_up - released_us) as f64 / 1000.0,
+    )
+}
+
+/// The log's size over a long run with pruning on: 2,000 events/s into a sink for `seconds`,
+/// with a 10 s retention pruned every 5 s (and autovacuum looking every 5 s), sampling
+/// outbox.events (table and indexes) every second. Returns (seconds, MB) samples.
+fn sizes(cluster: &Cluster, c: &mut Client, seconds: u64) -> Vec<(f64, f64)> {
+    cluster.set("pg_outbox.retention", "10s");
+    cluster.set("pg_outbox.prune_interval", "5s");
+    cluster.set("autovacuum_naptime", "5s");
+    let sink = "sizes";
+    new_sink(c, sink, 128);
+    let mut samples = Vec::new();
+    std::thread::scope(|scope| {
+        let load = scope.spawn(|| raise_load(cluster, 4, Some(500.0), seconds));
+        let start = Instant::now();
+        while !load.is_finished() {
+            let bytes: i64 = c
+                .query_one("SELECT pg_total_relation_size('outbox.events')", &[])
+                .unwrap()
+                .get(0);
+            samples.push((start.elapsed().as_secs_f64(), bytes as f64 / 1_048_576.0));
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        load.join().unwrap();
+    });
+    c.execute("SELECT outbox.drop_sink($1)", &[&sink]).unwrap();
+    samples
+}
+
 fn main() {
     let events: i64 = env_or("BENCH_EVENTS", 200_000);
     let seconds: u64 = env_or("BENCH_SECONDS", 10);
@@ -296,6 +385,7 @@ fn main() {
                 label, l.rate, l.p50, l.p95, l.p99, l.max
             );
             let title = "Commit-to-handler latency against rate (SQL sink)";
+            record_x_unit("latency", "events/s");
             for (series, y) in [
                 ("p50", l.p50),
                 ("p95", l.p95),
@@ -312,6 +402,66 @@ fn main() {
                 );
             }
         }
+        let hold: u64 = env_or("BENCH_STALL_SECONDS", 10);
+        let (points, released_at, recovery_ms) = stall(cluster, c, hold);
+        println!(
+            "\nstall: 500 events/s for {} s, a transaction holding an xid from {hold} s to {released_at:.1} s",
+            3 * hold
+        );
+        let worst = points.iter().map(|p| p.1).fold(0.0, f64::max);
+        println!(
+            "  worst commit-to-handler latency {worst:.0} ms; the backlog was delivered {recovery_ms:.1} ms \
+             after the transaction ended (poll interval 1000 ms)"
+        );
+        let title = format!(
+            "Commit-to-handler latency over time, a {hold} s transaction holding the horizon"
+        );
+        // One point per 100 ms of commits (the highest latency in it), so the chart stays light.
+        let mut buckets: std::collections::BTreeMap<i64, f64> = Default::default();
+        for (t, ms) in &points {
+            let b = buckets.entry((t * 10.0) as i64).or_insert(0.0);
+            *b = b.max(*ms);
+        }
+        record_x_unit("stall", "seconds since the start");
+        for (b, ms) in buckets {
+            record(
+                "stall",
+                &title,
+                "ms",
+                "latency (worst per 100 ms)",
+                b as f64 / 10.0,
+                ms,
+            );
+        }
+        record_ratio(
+            "stall: backlog delivered after the long transaction ended (ms; target: at most 1000, the poll interval)",
+            recovery_ms,
+            Some(1000.0),
+        );
+        let seconds_long: u64 = env_or("BENCH_SIZE_SECONDS", 300);
+        let samples = sizes(cluster, c, seconds_long);
+        let at = |f: f64| samples[((samples.len() as f64 * f) as usize).min(samples.len() - 1)].1;
+        let (middle, end) = (at(0.5), at(1.0));
+        println!(
+            "\nlog size over {seconds_long} s at 2,000 events/s, retention 10 s pruned every 5 s: \
+             {middle:.1} MB half way, {end:.1} MB at the end"
+        );
+        record_x_unit("sizes", "seconds");
+        for (t, mb) in &samples {
+            record(
+                "sizes",
+                "outbox.events (table and indexes) over a long run, pruning on",
+                "MB",
+                "outbox.events",
+                (*t).round(),
+                *mb,
+            );
+        }
+        record_ratio(
+            "log size at the end / half way through the long run (target: at most 1.25, bounded)",
+            end / middle,
+            Some(1.25),
+        );
         println!();
     });
 }

@@ -7,7 +7,7 @@
 //! BENCH_EVENTS (default 20000) sets the events per fan-out run, BENCH_JOBS (default 100000) the
 //! jobs per run of the handler.
 
-use pg_outbox_benches::{env_or, head, record, record_ratio, with_bench_cluster};
+use pg_outbox_benches::{env_or, head, record, record_ratio, record_x_unit, with_bench_cluster};
 use pg_outbox_tests::eventually;
 use postgres::Client;
 use std::time::{Duration, Instant};
@@ -176,6 +176,7 @@ fn main() {
             let n = events.max(env_or("BENCH_MIN_EVALUATIONS", 200_000) / subs as i64);
             let (us, written) = fanout(c, subs, n);
             println!("{subs:<16} {us:>22.2} {written:>12}");
+            record_x_unit("fanout", "subscriptions");
             record(
                 "fanout",
                 "Fan-out cost per event per subscription",
@@ -239,6 +240,7 @@ fn main() {
                 "  round {round}: {} jobs ran in all, {kb} kB",
                 (round as i64 + 2) * jobs,
             );
+            record_x_unit("jobs_size", "jobs run");
             record(
                 "jobs_size",
                 "outbox.jobs size over a soak (table and indexes)",

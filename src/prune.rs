@@ -32,8 +32,11 @@ fn prune_bound() -> Position {
     .expect("taking the cursor lock");
     let horizon = Position::at_horizon(read_rule::horizon());
     // The read-write path on purpose: it takes a snapshot newer than the lock.
+    // ORDER BY c.txid, not txid: a bare name in ORDER BY means the output column first, here
+    // txid::text, and text orders "10674" before "5099". That bound let pruning delete events a
+    // lagging consumer had not read (found by the chaos soak).
     let lowest = Spi::get_two::<String, i64>(
-        "SELECT txid::text, seq FROM outbox.consumers ORDER BY txid, seq LIMIT 1",
+        "SELECT c.txid::text, c.seq FROM outbox.consumers c ORDER BY c.txid, c.seq LIMIT 1",
     );
     match lowest {
         Ok((Some(txid), Some(seq))) => {

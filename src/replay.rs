@@ -20,8 +20,9 @@ pub fn deliver_requested(
     deliver: impl FnOnce(&mut SpiClient<'_>, pg_sys::Datum) -> Result<(), Failure>,
 ) -> Result<Option<PassResult>, pgrx::spi::Error> {
     let table = client.select(
-        "SELECT txid::text, seq, ARRAY[event] FROM outbox.dead_letters \
-          WHERE sink = $1 AND replay_requested_at IS NOT NULL ORDER BY txid, seq LIMIT 1",
+        // d.txid: a bare txid in ORDER BY would be the text output column (see prune_bound).
+        "SELECT d.txid::text, d.seq, ARRAY[d.event] FROM outbox.dead_letters d \
+          WHERE d.sink = $1 AND d.replay_requested_at IS NOT NULL ORDER BY d.txid, d.seq LIMIT 1",
         Some(1),
         &[DatumWithOid::from(sink)],
     )?;

@@ -119,10 +119,10 @@ fn lease_and_read(id: &str) -> Prepared {
             timeout_ms: r.get(9)?.expect("timeout_ms"),
         };
         let replay = client.select(
-            "SELECT txid::text, seq, pg_catalog.jsonb_build_array(outbox._cloudevent(event))::text, \
-                    (event).id::text \
-               FROM outbox.dead_letters WHERE sink = $1 AND replay_requested_at IS NOT NULL \
-              ORDER BY txid, seq LIMIT 1",
+            "SELECT d.txid::text, d.seq, pg_catalog.jsonb_build_array(outbox._cloudevent(d.event))::text, \
+                    (d.event).id::text \
+               FROM outbox.dead_letters d WHERE d.sink = $1 AND d.replay_requested_at IS NOT NULL \
+              ORDER BY d.txid, d.seq LIMIT 1",
             Some(1),
             &[DatumWithOid::from(id)],
         )?;

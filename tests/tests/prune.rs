@@ -173,3 +173,44 @@ fn prune_waits_for_a_consumer_being_created_and_then_respects_it() {
     );
     assert_eq!(read(&mut c, "newcomer", 100).len(), 10);
 }
+
+#[test]
+fn the_lowest_cursor_is_found_by_number_not_by_text() {
+    // A cursor at a transaction id with fewer digits than another's sorts after it as text
+    // ("999" > "1234"). Pruning once took its bound from such a text order and deleted events a
+    // lagging consumer had not read; the chaos soak caught it.
+    let db = test_db("prune_numeric_order");
+    let mut c = db.connect();
+    c.batch_execute(
+        "SELECT outbox.raise('t', jsonb_build_object('i', i)) FROM generate_series(1, 3) i",
+    )
+    .unwrap();
+    let head: String = c
+        .query_one("SELECT max(txid)::text FROM outbox.events", &[])
+        .unwrap()
+        .get(0);
+    assert!(
+        head.len() >= 2,
+        "the test needs a transaction id of two digits or more"
+    );
+    // The largest number with one digit less: below the head as a number, above it as text
+    // (unless the head is all nines, which the next line rules out).
+    let behind = "9".repeat(head.len() - 1);
+    assert!(behind.as_str() > head.as_str() || head.chars().all(|d| d == '9'));
+    c.execute(
+        "SELECT outbox.create_consumer('behind', start_at => $1)",
+        &[&format!("{behind}:0")],
+    )
+    .unwrap();
+    c.batch_execute("SELECT outbox.create_consumer('ahead')")
+        .unwrap();
+    let last = read(&mut c, "ahead", 100).last().unwrap().0.clone();
+    c.execute("SELECT outbox.advance('ahead', $1)", &[&last])
+        .unwrap();
+    let pruned: i64 = c
+        .query_one("SELECT outbox.prune('0 seconds')", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(pruned, 0, "'behind' has read nothing yet");
+    assert_eq!(read(&mut c, "behind", 100).len(), 3);
+}

@@ -30,7 +30,7 @@ export BENCH_INSTALLED=1
 
 {
   echo "date:        $(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo "pg_outbox:   $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (uncommitted changes)')"
+  echo "pg_outbox:   $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet -- . ':!benches/results' 2>/dev/null || echo ' (uncommitted changes)')"
   echo "build:       $([ -n "${BENCH_SHORT:-}" ] && echo 'as installed (short run)' || echo release)"
   echo "PostgreSQL:  $(/usr/lib/postgresql/15/bin/postgres --version)"
   echo "PgQ:         $(dpkg-query -W -f='${Version}' postgresql-15-pgq3 2>/dev/null)"

@@ -93,6 +93,18 @@ fn drain(c: &mut Client, batch: i32, n: i64) -> f64 {
 
 /// Commit-to-handler latency with `clients` connections raising one event per transaction for
 /// `seconds`, each at `per_client_rate` events/s (None: as fast as it can).
+/// When the handler wrote each event's key into the ledger, in microseconds since the epoch.
+fn delivered_at(c: &mut Client) -> std::collections::HashMap<i64, i64> {
+    c.query(
+        "SELECT k, (extract(epoch FROM at) * 1000000)::int8 FROM ledger",
+        &[],
+    )
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1)))
+    .collect()
+}
+
 fn latency(
     cluster: &Cluster,
     c: &mut Client,
@@ -105,15 +117,7 @@ fn latency(
     let (commits, rate) = raise_load(cluster, clients, per_client_rate, seconds);
     let last = head(c);
     wait_for_cursor(c, sink, &last, Duration::from_secs(120));
-    let delivered: std::collections::HashMap<i64, i64> = c
-        .query(
-            "SELECT k, (extract(epoch FROM at) * 1000000)::int8 FROM ledger",
-            &[],
-        )
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let delivered = delivered_at(c);
     assert_eq!(delivered.len(), commits.len(), "every event delivered once");
     let ms = commits
         .iter()
@@ -240,15 +244,7 @@ fn stall(cluster: &Cluster, c: &mut Client, hold: u64) -> (Vec<(f64, f64)>, f64,
     let released = holder.join().unwrap();
     let last = head(c);
     wait_for_cursor(c, sink, &last, Duration::from_secs(120));
-    let delivered: std::collections::HashMap<i64, i64> = c
-        .query(
-            "SELECT k, (extract(epoch FROM at) * 1000000)::int8 FROM ledger",
-            &[],
-        )
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let delivered = delivered_at(c);
     assert_eq!(delivered.len(), commits.len(), "every event delivered once");
     let t0 = micros(start);
     let points: Vec<(f64, f64)> = commits

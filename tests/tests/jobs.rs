@@ -1,7 +1,8 @@
 //! The job queue for external workers: enqueue, claim with SKIP LOCKED, complete, fail with
 //! retries and death, leases that lapse, replay of dead jobs, and refusals.
 
-use pg_outbox_tests::{eventually, sqlstate, test_db};
+use pg_outbox_tests::{eventually, sqlstate, test_db, TestDb};
+use postgres::GenericClient;
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -67,6 +68,53 @@ fn enqueue_claim_complete_and_keys_queue_once() {
     assert_ne!(k3, k1);
 }
 
+/// Claims with `claim` and completes each job, from four connections at once, until the queue is
+/// empty (each round in one transaction when `in_transaction`). Returns every job completed.
+fn drain_with_four_workers(db: &TestDb, claim: &'static str, in_transaction: bool) -> Vec<i64> {
+    fn take(c: &mut impl GenericClient, claim: &str) -> Vec<i64> {
+        let ids: Vec<i64> = c
+            .query(claim, &[])
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for id in &ids {
+            let ok: bool = c
+                .query_one("SELECT outbox.complete($1)", &[id])
+                .unwrap()
+                .get(0);
+            assert!(ok, "a job this worker claimed completes");
+        }
+        ids
+    }
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let mut c = db.connect();
+            std::thread::spawn(move || {
+                let mut mine = Vec::new();
+                loop {
+                    let ids = if in_transaction {
+                        let mut tx = c.transaction().unwrap();
+                        let ids = take(&mut tx, claim);
+                        tx.commit().unwrap();
+                        ids
+                    } else {
+                        take(&mut c, claim)
+                    };
+                    if ids.is_empty() {
+                        return mine;
+                    }
+                    mine.extend(ids);
+                }
+            })
+        })
+        .collect();
+    workers
+        .into_iter()
+        .flat_map(|w| w.join().unwrap())
+        .collect()
+}
+
 #[test]
 fn four_workers_claiming_at_once_never_get_the_same_job() {
     let db = test_db("jobs_concurrent");
@@ -75,37 +123,11 @@ fn four_workers_claiming_at_once_never_get_the_same_job() {
         "SELECT outbox.enqueue('work', jsonb_build_object('i', i)) FROM generate_series(1, 2000) i",
     )
     .unwrap();
-    let workers: Vec<_> = (0..4)
-        .map(|_| {
-            let mut c = db.connect();
-            std::thread::spawn(move || {
-                let mut mine = Vec::new();
-                loop {
-                    let ids: Vec<i64> = c
-                        .query("SELECT id FROM outbox.claim('work', 7, '1 minute')", &[])
-                        .unwrap()
-                        .iter()
-                        .map(|r| r.get(0))
-                        .collect();
-                    if ids.is_empty() {
-                        return mine;
-                    }
-                    for id in ids {
-                        let ok: bool = c
-                            .query_one("SELECT outbox.complete($1)", &[&id])
-                            .unwrap()
-                            .get(0);
-                        assert!(ok);
-                        mine.push(id);
-                    }
-                }
-            })
-        })
-        .collect();
-    let all: Vec<i64> = workers
-        .into_iter()
-        .flat_map(|w| w.join().unwrap())
-        .collect();
+    let all = drain_with_four_workers(
+        &db,
+        "SELECT id FROM outbox.claim('work', 7, '1 minute')",
+        false,
+    );
     let unique: HashSet<i64> = all.iter().copied().collect();
     assert_eq!(all.len(), 2000, "every job done");
     assert_eq!(unique.len(), 2000, "none twice");
@@ -283,39 +305,11 @@ fn without_a_lease_jobs_are_held_by_the_claiming_transaction() {
     )
     .unwrap();
     // Four workers, each claiming and completing in one transaction: every job once.
-    let workers: Vec<_> = (0..4)
-        .map(|_| {
-            let mut c = db.connect();
-            std::thread::spawn(move || {
-                let mut mine = Vec::new();
-                loop {
-                    let mut tx = c.transaction().unwrap();
-                    let ids: Vec<i64> = tx
-                        .query("SELECT id FROM outbox.claim('tx', 5, lease => NULL)", &[])
-                        .unwrap()
-                        .iter()
-                        .map(|r| r.get(0))
-                        .collect();
-                    if ids.is_empty() {
-                        return mine;
-                    }
-                    for id in ids {
-                        let ok: bool = tx
-                            .query_one("SELECT outbox.complete($1)", &[&id])
-                            .unwrap()
-                            .get(0);
-                        assert!(ok, "a job held by this transaction completes");
-                        mine.push(id);
-                    }
-                    tx.commit().unwrap();
-                }
-            })
-        })
-        .collect();
-    let all: Vec<i64> = workers
-        .into_iter()
-        .flat_map(|w| w.join().unwrap())
-        .collect();
+    let all = drain_with_four_workers(
+        &db,
+        "SELECT id FROM outbox.claim('tx', 5, lease => NULL)",
+        true,
+    );
     let unique: HashSet<i64> = all.iter().copied().collect();
     assert_eq!((all.len(), unique.len()), (1000, 1000), "every job once");
 

@@ -23,3 +23,11 @@ pub const PRUNE_BATCH_MAX: i32 = 1_000_000;
 
 /// One `raise_many` call; beyond this, callers should split (a single statement's memory).
 pub const RAISE_MANY_MAX: usize = 100_000;
+
+/// Topic patterns of one sink or subscription. Every event of a pass is matched against each;
+/// 100,000 patterns once made one fan-out window take 24 s, and 20,000 made a sink's regular
+/// expression too complex for PostgreSQL to compile. A few dozen cover any real routing table.
+pub const PATTERNS_MAX: usize = 64;
+
+/// The patterns' total length, for the same reason: it bounds the matching work per event.
+pub const PATTERNS_MAX_BYTES: usize = 4096;

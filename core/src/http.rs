@@ -73,58 +73,172 @@ fn literal_ip(url: &url::Url) -> Option<IpAddr> {
     }
 }
 
-/// Addresses a webhook may not reach unless a superuser allows it: the server's own network.
-pub fn is_internal(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(a) => {
-            a.is_private()
-                || a.is_loopback()
-                || a.is_link_local() // 169.254/16, cloud metadata (169.254.169.254) among them
-                || a.is_multicast()
-                || a.is_broadcast()
-                || a.is_unspecified()
-                || a.is_documentation()
-                || a.octets()[0] == 100 && (a.octets()[1] & 0xC0) == 64 // 100.64/10 shared CGNAT
-                || a.octets()[0] == 198 && (a.octets()[1] & 0xFE) == 18 // 198.18/15 benchmarking
-                || a.octets()[0] >= 240 // 240/4 reserved
-                || a.octets()[0] == 0
-        }
-        IpAddr::V6(a) => {
-            if let Some(v4) = a.to_ipv4_mapped() {
-                return is_internal(IpAddr::V4(v4));
-            }
-            let s = a.segments();
-            // Addresses that carry an IPv4 address a gateway may reach: NAT64 (64:ff9b::/96) and
-            // 6to4 (2002::/16). Judge the address inside.
-            let embedded = |hi: u16, lo: u16| {
-                IpAddr::V4(std::net::Ipv4Addr::new(
-                    (hi >> 8) as u8,
-                    hi as u8,
-                    (lo >> 8) as u8,
-                    lo as u8,
-                ))
-            };
-            if s[0] == 0x64 && s[1] == 0xff9b && s[2..6] == [0, 0, 0, 0] {
-                return is_internal(embedded(s[6], s[7]));
-            }
-            if s[0] == 0x2002 {
-                return is_internal(embedded(s[1], s[2]));
-            }
-            a.is_loopback()
-                || a.is_unspecified()
-                || a.is_multicast()
-                || (s[0] & 0xfe00) == 0xfc00 // unique local, fd00:ec2::254 (metadata) among them
-                || (s[0] & 0xffc0) == 0xfe80 // link-local
-        }
+/// Where an address is, for the destination rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// Globally reachable: any sink may send there.
+    Global,
+    /// The server's own networks: private (RFC 1918, IPv6 unique local), loopback and shared
+    /// (CGNAT) addresses. Only with `pg_outbox.http_allow_private = on`.
+    Private,
+    /// Everything else the IANA special-purpose registries mark as not globally reachable:
+    /// link-local (cloud metadata at 169.254.169.254 among them), multicast, reserved,
+    /// documentation, benchmarking, protocol-assignment and deprecated transition ranges, and
+    /// IPv6 forms that embed an IPv4 address no gateway should be asked to reach. Never allowed.
+    Never,
+}
+
+fn v4_in(a: std::net::Ipv4Addr, net: [u8; 4], len: u32) -> bool {
+    let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+    (u32::from(a) & mask) == (u32::from(std::net::Ipv4Addr::from(net)) & mask)
+}
+
+fn v6_in(a: std::net::Ipv6Addr, net: [u16; 8], len: u32) -> bool {
+    let mask = if len == 0 {
+        0
+    } else {
+        u128::MAX << (128 - len)
+    };
+    (u128::from(a) & mask) == (u128::from(std::net::Ipv6Addr::from(net)) & mask)
+}
+
+/// The class of an IPv4 address: the IANA IPv4 Special-Purpose Address Registry, entry by entry
+/// (the more specific globally reachable entries first), plus multicast and broadcast.
+fn reach_v4(a: std::net::Ipv4Addr) -> Reach {
+    const GLOBAL: [([u8; 4], u32); 5] = [
+        ([192, 0, 0, 9], 32),    // Port Control Protocol anycast
+        ([192, 0, 0, 10], 32),   // Traversal Using Relays around NAT anycast
+        ([192, 31, 196, 0], 24), // AS112-v4
+        ([192, 52, 193, 0], 24), // AMT
+        ([192, 175, 48, 0], 24), // Direct Delegation AS112 Service
+    ];
+    const PRIVATE: [([u8; 4], u32); 5] = [
+        ([10, 0, 0, 0], 8),     // private-use
+        ([100, 64, 0, 0], 10),  // shared address space (CGNAT)
+        ([127, 0, 0, 0], 8),    // loopback
+        ([172, 16, 0, 0], 12),  // private-use
+        ([192, 168, 0, 0], 16), // private-use
+    ];
+    const NEVER: [([u8; 4], u32); 11] = [
+        ([0, 0, 0, 0], 8),          // "this network"
+        ([169, 254, 0, 0], 16),     // link-local, cloud metadata
+        ([192, 0, 0, 0], 24),       // IETF protocol assignments (DS-Lite, NAT64 discovery, ...)
+        ([192, 0, 2, 0], 24),       // TEST-NET-1
+        ([192, 88, 99, 0], 24),     // deprecated 6to4 relay anycast
+        ([198, 18, 0, 0], 15),      // benchmarking
+        ([198, 51, 100, 0], 24),    // TEST-NET-2
+        ([203, 0, 113, 0], 24),     // TEST-NET-3
+        ([224, 0, 0, 0], 4),        // multicast
+        ([240, 0, 0, 0], 4),        // reserved
+        ([255, 255, 255, 255], 32), // limited broadcast
+    ];
+    // Cloud metadata services inside otherwise private ranges (Alibaba Cloud's sits in CGNAT space).
+    if v4_in(a, [100, 100, 100, 200], 32) {
+        return Reach::Never;
+    }
+    if GLOBAL.iter().any(|&(n, l)| v4_in(a, n, l)) {
+        Reach::Global
+    } else if PRIVATE.iter().any(|&(n, l)| v4_in(a, n, l)) {
+        Reach::Private
+    } else if NEVER.iter().any(|&(n, l)| v4_in(a, n, l)) {
+        Reach::Never
+    } else {
+        Reach::Global
     }
 }
 
-pub fn check_address(ip: IpAddr, allow: Allow) -> Result<(), Invalid> {
-    if is_internal(ip) && !allow.private_addresses {
-        return Err(refuse(format!("the destination resolves to {ip}, an internal address"))
-            .with_hint("private, loopback, link-local, multicast and metadata addresses need pg_outbox.http_allow_private = on (superuser only)"));
+/// The class of an IPv6 address: the IANA IPv6 Special-Purpose Address Registry, plus
+/// multicast, link-local and the deprecated site-local range. An address that carries an IPv4
+/// address for a translator (NAT64's well-known prefix, 6to4) is judged by the address inside,
+/// and never counts as private: asking a translator to reach a private network is refused.
+fn reach_v6(a: std::net::Ipv6Addr) -> Reach {
+    let s = a.segments();
+    let embedded =
+        std::net::Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
+    let strict = |r: Reach| {
+        if r == Reach::Global {
+            Reach::Global
+        } else {
+            Reach::Never
+        }
+    };
+    if a.is_loopback() {
+        return Reach::Private; // ::1
     }
-    Ok(())
+    if let Some(v4) = a.to_ipv4_mapped() {
+        return reach_v4(v4); // ::ffff:a.b.c.d is how a dual-stack socket spells a.b.c.d
+    }
+    if v6_in(a, [0x64, 0xff9b, 0, 0, 0, 0, 0, 0], 96) {
+        return strict(reach_v4(embedded)); // NAT64 well-known prefix
+    }
+    if v6_in(a, [0x2002, 0, 0, 0, 0, 0, 0, 0], 16) {
+        let inner =
+            std::net::Ipv4Addr::new((s[1] >> 8) as u8, s[1] as u8, (s[2] >> 8) as u8, s[2] as u8);
+        return strict(reach_v4(inner)); // 6to4
+    }
+    const GLOBAL: [([u16; 8], u32); 8] = [
+        ([0x2001, 0x1, 0, 0, 0, 0, 0, 0x1], 128), // Port Control Protocol anycast
+        ([0x2001, 0x1, 0, 0, 0, 0, 0, 0x2], 128), // TURN anycast
+        ([0x2001, 0x1, 0, 0, 0, 0, 0, 0x3], 128), // DNS-SD service registration protocol anycast
+        ([0x2001, 0x3, 0, 0, 0, 0, 0, 0], 32),    // AMT
+        ([0x2001, 0x4, 0x112, 0, 0, 0, 0, 0], 48), // AS112-v6
+        ([0x2001, 0x20, 0, 0, 0, 0, 0, 0], 28),   // ORCHIDv2
+        ([0x2001, 0x30, 0, 0, 0, 0, 0, 0], 28),   // drone remote ID entity tags (DETs)
+        ([0x2620, 0x4f, 0x8000, 0, 0, 0, 0, 0], 48), // Direct Delegation AS112 Service
+    ];
+    const NEVER: [([u16; 8], u32); 12] = [
+        ([0, 0, 0, 0, 0, 0, 0, 0], 96), // unspecified and IPv4-compatible (deprecated)
+        ([0, 0, 0, 0, 0, 0xffff, 0, 0], 96), // (mapped: handled above)
+        ([0, 0, 0, 0, 0xffff, 0, 0, 0], 96), // IPv4-translated (SIIT)
+        ([0x64, 0xff9b, 0x1, 0, 0, 0, 0, 0], 48), // local-use IPv4/IPv6 translation
+        ([0x100, 0, 0, 0, 0, 0, 0, 0], 64), // discard-only
+        ([0x2001, 0, 0, 0, 0, 0, 0, 0], 23), // IETF protocol assignments, Teredo among them
+        ([0x2001, 0xdb8, 0, 0, 0, 0, 0, 0], 32), // documentation
+        ([0x3fff, 0, 0, 0, 0, 0, 0, 0], 20), // documentation
+        ([0x5f00, 0, 0, 0, 0, 0, 0, 0], 16), // segment routing (SRv6) SIDs
+        ([0xfe80, 0, 0, 0, 0, 0, 0, 0], 10), // link-local
+        ([0xfec0, 0, 0, 0, 0, 0, 0, 0], 10), // site-local (deprecated)
+        ([0xff00, 0, 0, 0, 0, 0, 0, 0], 8), // multicast
+    ];
+    // AWS's IPv6 metadata service sits in unique-local space.
+    if v6_in(a, [0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254], 128) {
+        return Reach::Never;
+    }
+    if GLOBAL.iter().any(|&(n, l)| v6_in(a, n, l)) {
+        Reach::Global
+    } else if v6_in(a, [0xfc00, 0, 0, 0, 0, 0, 0, 0], 7) {
+        Reach::Private // unique local
+    } else if NEVER.iter().any(|&(n, l)| v6_in(a, n, l)) {
+        Reach::Never
+    } else {
+        Reach::Global
+    }
+}
+
+/// Where `ip` is: see `Reach`.
+pub fn reach(ip: IpAddr) -> Reach {
+    match ip {
+        IpAddr::V4(a) => reach_v4(a),
+        IpAddr::V6(a) => reach_v6(a),
+    }
+}
+
+/// Addresses a webhook may not reach unless a superuser allows it (and some not even then).
+pub fn is_internal(ip: IpAddr) -> bool {
+    reach(ip) != Reach::Global
+}
+
+pub fn check_address(ip: IpAddr, allow: Allow) -> Result<(), Invalid> {
+    match reach(ip) {
+        Reach::Global => Ok(()),
+        Reach::Private if allow.private_addresses => Ok(()),
+        Reach::Private => Err(refuse(format!("the destination resolves to {ip}, an internal address"))
+            .with_hint("private, loopback and shared (CGNAT) addresses need pg_outbox.http_allow_private = on (superuser only)")),
+        Reach::Never => Err(refuse(format!(
+            "the destination resolves to {ip}, an address that is not globally reachable"
+        ))
+        .with_hint("link-local, metadata, multicast, reserved and special-purpose addresses are refused whatever the settings")),
+    }
 }
 
 /// Whether `host` is on an allowlist of comma-separated names, each a host (`hooks.example.com`)
@@ -319,9 +433,8 @@ mod tests {
         for internal in [
             "https://127.0.0.1/",
             "https://10.1.2.3/",
-            "https://169.254.169.254/latest",
             "https://[::1]/",
-            "https://[fd00:ec2::254]/",
+            "https://[fd12:3456::1]/",
             "https://192.168.0.1/",
             "https://[::ffff:10.0.0.1]/",
             "https://100.64.0.1/",
@@ -354,6 +467,129 @@ mod tests {
             "NAT64 of a public address"
         );
         assert!(!is_internal("2606:2800:220:1::1".parse().unwrap()));
+    }
+
+    /// One address from every entry of the IANA IPv4 and IPv6 special-purpose address registries
+    /// (as of 2026), plus multicast, the deprecated ranges and the embedded-IPv4 forms an attacker
+    /// tried (issue #10), each with the class it must have.
+    #[test]
+    fn every_special_purpose_registry_entry_has_its_class() {
+        use Reach::*;
+        let table: &[(&str, Reach)] = &[
+            // IPv4 registry
+            ("0.0.0.0", Never), // 0.0.0.0/8 this network, 0.0.0.0/32 this host
+            ("0.1.2.3", Never),
+            ("10.20.30.40", Private), // 10.0.0.0/8
+            ("100.64.0.1", Private),  // 100.64.0.0/10 shared
+            ("100.127.255.254", Private),
+            ("100.100.100.200", Never), // a cloud metadata service inside it
+            ("127.0.0.1", Private),     // 127.0.0.0/8
+            ("127.255.0.1", Private),
+            ("169.254.169.254", Never), // 169.254.0.0/16 link-local, metadata
+            ("169.254.0.1", Never),
+            ("172.16.0.1", Private), // 172.16.0.0/12
+            ("172.31.255.255", Private),
+            ("192.0.0.1", Never),   // 192.0.0.0/24 IETF protocol assignments
+            ("192.0.0.7", Never),   // 192.0.0.0/29 DS-Lite
+            ("192.0.0.8", Never),   // 192.0.0.8/32 IPv4 dummy address
+            ("192.0.0.9", Global),  // 192.0.0.9/32 PCP anycast
+            ("192.0.0.10", Global), // 192.0.0.10/32 TURN anycast
+            ("192.0.0.170", Never), // 192.0.0.170/32 NAT64/DNS64 discovery
+            ("192.0.0.171", Never),
+            ("192.0.2.1", Never),     // 192.0.2.0/24 TEST-NET-1
+            ("192.31.196.1", Global), // 192.31.196.0/24 AS112-v4
+            ("192.52.193.1", Global), // 192.52.193.0/24 AMT
+            ("192.88.99.1", Never),   // 192.88.99.0/24 deprecated 6to4 relay anycast
+            ("192.168.1.1", Private), // 192.168.0.0/16
+            ("192.175.48.1", Global), // 192.175.48.0/24 Direct Delegation AS112
+            ("198.18.0.1", Never),    // 198.18.0.0/15 benchmarking
+            ("198.19.255.255", Never),
+            ("198.51.100.1", Never),    // 198.51.100.0/24 TEST-NET-2
+            ("203.0.113.1", Never),     // 203.0.113.0/24 TEST-NET-3
+            ("240.0.0.1", Never),       // 240.0.0.0/4 reserved
+            ("255.255.255.255", Never), // limited broadcast
+            ("224.0.0.1", Never),       // multicast
+            ("239.255.255.250", Never),
+            ("8.8.8.8", Global),
+            ("93.184.216.34", Global),
+            ("100.63.255.255", Global), // just outside shared space
+            ("172.32.0.1", Global),     // just outside 172.16/12
+            ("192.0.3.1", Global),
+            // IPv6 registry
+            ("::1", Private),       // loopback
+            ("::", Never),          // unspecified
+            ("::127.0.0.1", Never), // IPv4-compatible (deprecated)
+            ("::169.254.169.254", Never),
+            ("::10.0.0.1", Never),
+            ("::8.8.8.8", Never),
+            ("::ffff:127.0.0.1", Private), // IPv4-mapped: judged as the IPv4 address
+            ("::ffff:169.254.169.254", Never),
+            ("::ffff:8.8.8.8", Global),
+            ("::ffff:0:127.0.0.1", Never), // IPv4-translated (SIIT)
+            ("::ffff:0:8.8.8.8", Never),
+            ("64:ff9b::8.8.8.8", Global), // 64:ff9b::/96 NAT64 of a global address
+            ("64:ff9b::127.0.0.1", Never), // ... of an internal one
+            ("64:ff9b::10.0.0.1", Never),
+            ("64:ff9b::169.254.169.254", Never),
+            ("64:ff9b:1::a9fe:a9fe", Never), // 64:ff9b:1::/48 local-use translation
+            ("64:ff9b:1::808:808", Never),
+            ("100::1", Never),  // 100::/64 discard-only
+            ("2001::1", Never), // 2001::/23 IETF protocol assignments; 2001::/32 Teredo
+            ("2001:0:4136:e378:8000:63bf:80ff:fffe", Never), // Teredo embedding 127.0.0.1
+            ("2001:1::1", Global), // PCP anycast
+            ("2001:1::2", Global), // TURN anycast
+            ("2001:1::3", Global), // DNS-SD SRP anycast
+            ("2001:2::1", Never), // 2001:2::/48 benchmarking
+            ("2001:3::1", Global), // 2001:3::/32 AMT
+            ("2001:4:112::1", Global), // 2001:4:112::/48 AS112-v6
+            ("2001:10::1", Never), // 2001:10::/28 ORCHID (deprecated)
+            ("2001:20::1", Global), // 2001:20::/28 ORCHIDv2
+            ("2001:30::1", Global), // 2001:30::/28 drone remote ID entity tags
+            ("2001:db8::1", Never), // 2001:db8::/32 documentation
+            ("3fff::1", Never), // 3fff::/20 documentation
+            ("2002:7f00:1::", Never), // 6to4 of 127.0.0.1
+            ("2002:a9fe:a9fe::", Never), // 6to4 of 169.254.169.254
+            ("2002:0808:0808::", Global), // 6to4 of 8.8.8.8
+            ("2620:4f:8000::1", Global), // Direct Delegation AS112
+            ("5f00::1", Never), // 5f00::/16 SRv6 SIDs
+            ("fc00::1", Private), // fc00::/7 unique local
+            ("fd12:3456::1", Private),
+            ("fd00:ec2::254", Never), // a cloud metadata service inside it
+            ("fe80::1", Never),       // fe80::/10 link-local
+            ("febf::1", Never),
+            ("fec0::1", Never), // fec0::/10 site-local (deprecated)
+            ("ff02::1", Never), // multicast
+            ("2606:2800:220:1::1", Global),
+            ("2a00:1450:4001::1", Global),
+        ];
+        let open = Allow {
+            plain_http: false,
+            private_addresses: true,
+        };
+        for &(text, want) in table {
+            let ip: IpAddr = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(reach(ip), want, "{text}");
+            assert_eq!(
+                check_address(ip, Allow::default()).is_ok(),
+                want == Global,
+                "{text}"
+            );
+            assert_eq!(
+                check_address(ip, open).is_ok(),
+                want != Never,
+                "{text} with private allowed"
+            );
+            let host = match ip {
+                IpAddr::V4(_) => text.to_string(),
+                IpAddr::V6(_) => format!("[{text}]"),
+            };
+            let url = format!("https://{host}/hook");
+            assert_eq!(
+                Destination::parse(&url, open).is_ok(),
+                want != Never,
+                "{url}"
+            );
+        }
     }
 
     #[test]

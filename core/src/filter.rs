@@ -34,7 +34,8 @@ pub struct EventFields<'a> {
 }
 
 pub struct Filter {
-    program: Program,
+    /// The program's expression with the budget's hooks (crate::budget): what runs.
+    guarded: cel::IdedExpr,
     source: String,
     /// Which of VARIABLES the filter reads, in that order.
     uses: [bool; 6],
@@ -204,10 +205,20 @@ impl Filter {
             )
             .with_hint(format!("a filter may use {}", VARIABLES.join(", "))));
         }
+        if let Some(f) = references
+            .functions()
+            .into_iter()
+            .find(|f| crate::budget::is_reserved(f))
+        {
+            return Err(Invalid::new(
+                InvalidKind::Parameter,
+                format!("invalid filter: {f} is reserved"),
+            ));
+        }
         let variables = references.variables();
         let uses = VARIABLES.map(|v| variables.contains(&v));
         Ok(Filter {
-            program,
+            guarded: crate::budget::instrument(program.expression()),
             source: source.to_string(),
             uses,
         })
@@ -233,21 +244,57 @@ impl Filter {
     }
 
     /// The same, in a context built once per event and shared by every subscription's filter.
+    /// Runs within crate::budget's limits: over them, the result is an error.
     pub fn matches_in(&self, event: &EventContext<'_>) -> Result<bool, String> {
-        match self.program.execute(&event.0) {
+        if let Some(why) = &event.1 {
+            if self.uses("payload") || self.uses("headers") {
+                return Err(why.clone());
+            }
+        }
+        match crate::budget::evaluate(&self.guarded, &event.0) {
             Ok(Value::Bool(b)) => Ok(b),
             Ok(other) => Err(format!("the filter gave {other:?}, not a boolean")),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(e),
         }
     }
 }
 
 thread_local! {
-    static ENV: Arc<cel::Env> = Arc::new(cel::Env::stdlib());
+    static ENV: Arc<cel::Env> = Arc::new({
+        let mut env = cel::Env::stdlib();
+        crate::budget::install(&mut env);
+        env
+    });
 }
 
-/// An event's variables, converted once for every filter that looks at it.
-pub struct EventContext<'a>(Context<'a, 'a>);
+/// The most JSON values (of payload and headers together) an event may have for filters to read
+/// it, and the most bytes of text: what a filter is handed is bounded, so what it can do with it
+/// is too. A filter that reads payload or headers of a larger event fails on it (a predicate
+/// error: counted, no job).
+pub const EVENT_VALUES_MAX: usize = 100_000;
+pub const EVENT_TEXT_MAX: usize = 1 << 20;
+
+/// An event's variables, converted once for every filter that looks at it; and why payload and
+/// headers were left out, when they were too large.
+pub struct EventContext<'a>(Context<'a, 'a>, Option<String>);
+
+/// Counts the values and text bytes of a JSON value, stopping once over the limits.
+fn json_weight(v: &serde_json::Value, values: &mut usize, bytes: &mut usize) {
+    use serde_json::Value as J;
+    *values += 1;
+    if *values > EVENT_VALUES_MAX || *bytes > EVENT_TEXT_MAX {
+        return;
+    }
+    match v {
+        J::String(s) => *bytes += s.len(),
+        J::Array(a) => a.iter().for_each(|e| json_weight(e, values, bytes)),
+        J::Object(o) => o.iter().for_each(|(k, e)| {
+            *bytes += k.len();
+            json_weight(e, values, bytes)
+        }),
+        _ => {}
+    }
+}
 
 impl EventContext<'_> {
     pub fn new(event: &EventFields<'_>) -> EventContext<'static> {
@@ -259,10 +306,21 @@ impl EventContext<'_> {
         context.add_variable_from_value("topic", text(Some(event.topic)));
         context.add_variable_from_value("subject", text(event.subject));
         context.add_variable_from_value("tenant", text(event.tenant));
-        context.add_variable_from_value("payload", json_to_cel(event.payload));
-        context.add_variable_from_value("headers", json_to_cel(event.headers));
+        let (mut values, mut bytes) = (0, 0);
+        json_weight(event.payload, &mut values, &mut bytes);
+        json_weight(event.headers, &mut values, &mut bytes);
+        let too_large = (values > EVENT_VALUES_MAX || bytes > EVENT_TEXT_MAX).then(|| {
+            format!(
+                "the event is too large for filters (more than {EVENT_VALUES_MAX} JSON values or {} MB of text in payload and headers)",
+                EVENT_TEXT_MAX >> 20
+            )
+        });
+        if too_large.is_none() {
+            context.add_variable_from_value("payload", json_to_cel(event.payload));
+            context.add_variable_from_value("headers", json_to_cel(event.headers));
+        }
         context.add_variable_from_value("raised_at", text(Some(event.raised_at)));
-        EventContext(context)
+        EventContext(context, too_large)
     }
 }
 
@@ -335,6 +393,112 @@ mod tests {
         Filter::compile(&format!("1{} > 0", " + 1".repeat(25))).unwrap();
         // CEL balances && and || chains: 40 clauses are 7 levels deep.
         Filter::compile(&format!("true{}", " && true".repeat(40))).unwrap();
+    }
+
+    /// The attacks of issue #10: every one must end, quickly, as an error (a predicate error
+    /// for the subscription), never run for minutes or exhaust memory. In a 2 MB test thread.
+    #[test]
+    fn every_accepted_filter_ends_within_its_budget() {
+        let list = "[0,1,2,3,4,5,6,7,8,9]";
+        // 10^10 steps: nested all() over one list.
+        let vars = ["a", "b", "c", "d", "e", "f", "g", "h", "i"];
+        let mut body = "true".to_string();
+        for v in vars.iter().rev() {
+            body = format!("L.all({v}, {body})");
+        }
+        let all = format!("[{list}].all(L, {body})");
+        // A list of 10^9 lists: nested map(), which once aborted the server on allocation failure.
+        let mut body = "0".to_string();
+        for v in vars.iter().rev() {
+            body = format!("{list}.map({v}, {body})");
+        }
+        let map = format!("size({body}) > 0");
+        // A string that doubles at every step, and a payload list that is walked squared.
+        let doubling =
+            format!("{list}.map(x, payload.s + payload.s + payload.s + payload.s).size() > 0");
+        let squared =
+            "payload.items.all(a, payload.items.all(b, payload.items.all(c, a + b + c >= 0)))";
+        let concat = format!(
+            "size([{}]) > 0",
+            vec!["payload.s + payload.s"; 60].join(", ")
+        );
+        let payload = json!({
+            "s": "x".repeat(900_000),
+            "items": (0..1000).collect::<Vec<_>>(),
+        });
+        for source in [
+            all.as_str(),
+            map.as_str(),
+            doubling.as_str(),
+            squared,
+            concat.as_str(),
+        ] {
+            let filter = match Filter::compile(source) {
+                Ok(f) => f,
+                Err(e) => {
+                    // Refusing it up front is as good.
+                    assert!(e.message.contains("too complex"), "{source}: {}", e.message);
+                    continue;
+                }
+            };
+            let started = std::time::Instant::now();
+            let verdict = filter.matches(&event(&payload, None));
+            let e = verdict.expect_err(source);
+            assert!(e.contains("steps") || e.contains("MB"), "{source}: {e}");
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(20),
+                "{source}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_interrupt_ends_an_evaluation() {
+        fn pending() -> bool {
+            true
+        }
+        let f = Filter::compile("[0,1,2,3,4,5,6,7,8,9].all(a, [0,1,2,3,4,5,6,7,8,9].all(b, [0,1,2,3,4,5,6,7,8,9].all(c, true)))").unwrap();
+        crate::budget::set_interrupt_probe(pending);
+        let e = f.matches(&event(&json!({}), None)).unwrap_err();
+        assert!(e.contains("interrupted"), "{e}");
+        assert!(crate::budget::interrupted());
+        // The budget starts afresh for the next evaluation, which the probe no longer stops
+        // once it says nothing is pending.
+        fn quiet() -> bool {
+            false
+        }
+        crate::budget::set_interrupt_probe(quiet);
+        assert_eq!(f.matches(&event(&json!({}), None)), Ok(true));
+        assert!(!crate::budget::interrupted());
+    }
+
+    #[test]
+    fn ordinary_filters_are_within_budget_and_the_hooks_are_reserved() {
+        let payload = json!({"items": (0..5000).map(|i| json!({"sku": format!("s{i}"), "n": i})).collect::<Vec<_>>()});
+        for (source, want) in [
+            ("payload.items.exists(i, i.sku == 's4999')", true),
+            ("payload.items.all(i, i.n >= 0)", true),
+            ("payload.items.filter(i, i.n % 2 == 0).size() == 2500", true),
+            ("payload.items.map(i, i.n).exists(n, n > 4998)", true),
+            ("payload.items.exists_one(i, i.n == 7)", true),
+            ("size(payload.items) > 10000", false),
+        ] {
+            assert_eq!(check(source, payload.clone(), None), Ok(want), "{source}");
+        }
+        for source in ["__budget()", "__measure(1) == 1"] {
+            let e = Filter::compile(source).unwrap_err();
+            assert!(e.message.contains("reserved"), "{source}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn an_event_too_large_for_filters_is_an_error_only_for_filters_that_read_it() {
+        let payload = json!({"big": (0..EVENT_VALUES_MAX + 1).collect::<Vec<_>>()});
+        let e = check("size(payload.big) > 0", payload.clone(), None).unwrap_err();
+        assert!(e.contains("too large"), "{e}");
+        assert_eq!(check("topic == 'order.placed'", payload, None), Ok(true));
+        let text = json!({"s": "x".repeat(EVENT_TEXT_MAX + 1)});
+        assert!(check("payload.s != ''", text, None).is_err());
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! benches reach the rules without a server.
 
 pub mod batch;
+pub mod budget;
 pub mod filter;
 pub mod http;
 pub mod id;

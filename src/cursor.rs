@@ -15,17 +15,8 @@ use pgrx::prelude::*;
 
 /// Taken shared by whatever adds or moves back a cursor (create, rewind) and exclusive by prune,
 /// so that prune never computes its bound while a cursor behind it is being born.
-pub const CURSOR_LOCK: (i32, i32) = (0x6f75_7462, 1); // "outb"
-
 pub fn lock_cursors_shared() {
-    Spi::run_with_args(
-        "SELECT pg_catalog.pg_advisory_xact_lock_shared($1, $2)",
-        &[
-            DatumWithOid::from(CURSOR_LOCK.0),
-            DatumWithOid::from(CURSOR_LOCK.1),
-        ],
-    )
-    .expect("taking the cursor lock");
+    crate::lease::cursors_shared();
 }
 
 /// A consumer row as this module needs it.

@@ -58,6 +58,12 @@ pub enum Error {
     HandlerNotExecutable(String),
     /// An operation that needs READ COMMITTED (fresh snapshots per statement).
     Isolation(&'static str),
+    /// An event's payload and headers over `pg_outbox.max_event_size`; `what` names the argument.
+    EventTooLarge {
+        what: String,
+        size: u64,
+        max: u64,
+    },
 }
 
 impl From<Invalid> for Error {
@@ -91,6 +97,7 @@ impl Error {
             Error::UnknownHandler(_) => ERRCODE_UNDEFINED_FUNCTION,
             Error::HandlerNotExecutable(_) => ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::Isolation(_) => ERRCODE_ACTIVE_SQL_TRANSACTION,
+            Error::EventTooLarge { .. } => ERRCODE_PROGRAM_LIMIT_EXCEEDED,
         }
     }
 
@@ -131,6 +138,9 @@ impl Error {
                 format!("permission denied to register handler {handler}")
             }
             Error::Isolation(what) => format!("{what} must run in a READ COMMITTED transaction"),
+            Error::EventTooLarge { what, size, max } => {
+                format!("{what} of an event must be at most {max} bytes together, not {size}")
+            }
         }
     }
 
@@ -180,6 +190,9 @@ impl Error {
                 Some("the registering role needs EXECUTE on the handler; the handler runs as that role".into())
             }
             Error::Isolation(_) => Some("it needs to see cursors committed while it waited".into()),
+            Error::EventTooLarge { .. } => Some(
+                "pg_outbox.max_event_size (superuser) sets the limit; store large documents in a table and put their key in the event".into(),
+            ),
             _ => None,
         }
     }

@@ -9,6 +9,8 @@ mod cursor;
 mod dispatch;
 mod error;
 mod horizon;
+mod isolation;
+mod lease;
 mod owner;
 mod prune;
 mod query;
@@ -17,6 +19,7 @@ mod raw;
 mod read_rule;
 mod replay;
 mod schedule;
+mod secrets;
 mod settings;
 mod sink;
 mod subscription;
@@ -54,6 +57,7 @@ pub extern "C-unwind" fn _PG_init() {
     // workers refuse with a hint (worker::preloaded()).
     let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
     settings::init(preloading);
+    secrets::init();
     if preloading {
         worker::register();
     }

@@ -6,7 +6,6 @@
 //! than the retention, in bounded batches in log order. The worker calls it every
 //! `pg_outbox.prune_interval`; operators may call `outbox.prune()`.
 
-use crate::cursor::CURSOR_LOCK;
 use crate::error::{Error, OrReport};
 use crate::owner::as_owner;
 use crate::read_rule;
@@ -20,16 +19,12 @@ use pgrx::prelude::*;
 ///
 /// Takes the cursor lock exclusively first, then reads the cursors with a fresh snapshot: a
 /// consumer created (or rewound) concurrently has either committed and is seen, or waits for
-/// this transaction and then reads the log as pruned.
-fn prune_bound() -> Position {
-    Spi::run_with_args(
-        "SELECT pg_catalog.pg_advisory_xact_lock($1, $2)",
-        &[
-            DatumWithOid::from(CURSOR_LOCK.0),
-            DatumWithOid::from(CURSOR_LOCK.1),
-        ],
-    )
-    .expect("taking the cursor lock");
+/// this transaction and then reads the log as pruned. None when the lock cannot be had without
+/// waiting and `wait` is false (the workers): pruning is skipped this time.
+fn prune_bound(wait: bool) -> Option<Position> {
+    if !crate::lease::cursors_exclusive(wait) {
+        return None;
+    }
     let horizon = Position::at_horizon(read_rule::horizon());
     // The read-write path on purpose: it takes a snapshot newer than the lock.
     // ORDER BY c.txid, not txid: a bare name in ORDER BY means the output column first, here
@@ -40,16 +35,16 @@ fn prune_bound() -> Position {
     );
     match lowest {
         Ok((Some(txid), Some(seq))) => {
-            Position::new(txid.parse().expect("xid8 prints as an integer"), seq).min(horizon)
+            Some(Position::new(txid.parse().expect("xid8 prints as an integer"), seq).min(horizon))
         }
-        Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => horizon,
+        Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => Some(horizon),
         Err(e) => panic!("reading cursors: {e}"),
     }
 }
 
 /// Deletes prunable events raised before `cutoff_sql` (an SQL expression over $4), in batches of
 /// `batch_size`. Runs as the owner.
-fn prune_events(retention: DatumWithOid<'_>, cutoff_sql: &str, batch_size: i32) -> i64 {
+fn prune_events(retention: DatumWithOid<'_>, cutoff_sql: &str, batch_size: i32, wait: bool) -> i64 {
     // SAFETY: reads a backend global.
     if unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32 {
         Error::Isolation("outbox.prune()").report();
@@ -66,7 +61,9 @@ fn prune_events(retention: DatumWithOid<'_>, cutoff_sql: &str, batch_size: i32) 
          SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM gone)"
     );
     as_owner(|| {
-        let bound = prune_bound();
+        let Some(bound) = prune_bound(wait) else {
+            return 0;
+        };
         let mut total = 0i64;
         loop {
             let (scanned, deleted) = Spi::get_two_with_args::<i64, i64>(
@@ -122,7 +119,12 @@ fn prune(
         ))
         .report();
     }
-    prune_events(DatumWithOid::from(retention), "now() - $4", batch_size)
+    prune_events(
+        DatumWithOid::from(retention),
+        "now() - $4",
+        batch_size,
+        true,
+    )
 }
 
 /// The worker's timed prune: `pg_outbox.retention`, batches of 10,000.
@@ -134,5 +136,6 @@ pub fn prune_for_worker() -> i64 {
         DatumWithOid::from(settings::RETENTION_S.get() as i64),
         "now() - $4 * interval '1 second'",
         10_000,
+        false,
     )
 }

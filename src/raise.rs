@@ -51,6 +51,20 @@ fn not_an_object(what: &str) -> Error {
     )
 }
 
+/// Refuses an event whose payload and headers are over `pg_outbox.max_event_size` together.
+fn check_size(what: impl FnOnce() -> String, payload: Option<RawJsonb>, headers: Option<RawJsonb>) {
+    let size = payload.map_or(0, RawJsonb::raw_size) + headers.map_or(0, RawJsonb::raw_size);
+    let max = crate::settings::MAX_EVENT_SIZE.get().max(0) as u64;
+    if size > max {
+        Error::EventTooLarge {
+            what: what(),
+            size,
+            max,
+        }
+        .report();
+    }
+}
+
 /// Raises one event and returns its id. It exists only if the caller's transaction commits.
 #[pg_extern(volatile, parallel_unsafe, security_definer)]
 fn raise(
@@ -69,6 +83,7 @@ fn raise(
     if headers.is_some_and(|h| !h.is_object()) {
         not_an_object("headers").report();
     }
+    check_size(|| "payload and headers".into(), payload, headers);
     let id = new_id();
     let args = [
         DatumWithOid::from(id),
@@ -209,6 +224,21 @@ fn raise_many(
                 not_an_object(&at(what, i)).report();
             }
         }
+    }
+    // headers may be one value for every event, or one per event.
+    for (i, payload) in payload_elems.iter().enumerate() {
+        let header = header_elems.as_ref().and_then(|h| {
+            if h.len() == 1 {
+                h[0]
+            } else {
+                h.get(i).copied().flatten()
+            }
+        });
+        check_size(
+            || format!("payloads[{}] and its headers", i + 1),
+            *payload,
+            header,
+        );
     }
 
     let ids: Vec<pgrx::Uuid> = (0..n).map(|_| new_id()).collect();

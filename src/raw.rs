@@ -96,6 +96,12 @@ impl RawJsonb {
     pub fn is_object(self) -> bool {
         is_jsonb_object(self.0)
     }
+
+    /// Its size uncompressed, in bytes (a compressed value is not decompressed to tell).
+    pub fn raw_size(self) -> u64 {
+        // SAFETY: the datum is a non-null jsonb varlena; toast_raw_datum_size reads its header.
+        unsafe { pg_sys::toast_raw_datum_size(self.0) as u64 }
+    }
 }
 
 fn is_jsonb_object(datum: pg_sys::Datum) -> bool {

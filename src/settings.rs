@@ -63,6 +63,12 @@ pub static HTTP_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 /// Bytes of a response body read (and discarded) at most: a webhook answers with a status.
 pub static HTTP_MAX_RESPONSE_BYTES: GucSetting<i32> = GucSetting::<i32>::new(65_536);
 
+/// The most bytes an event's payload and headers may hold together, uncompressed. Every sink and
+/// filter handles events whole: an event of 100 MB is a batch of 100 MB for each of them, and two
+/// events that compressed to 3 MB once expanded past jsonb's limit while an HTTP batch was built
+/// and wedged the sink (issue #10). 1 MB is ample for events; documents belong in tables.
+pub static MAX_EVENT_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+
 /// Off: workers stay connected but deliver nothing (maintenance windows).
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 
@@ -203,6 +209,16 @@ pub fn init(preloading: bool) {
         600_000,
         GucContext::Sighup,
         GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.max_event_size",
+        c"Most bytes of payload and headers one event may hold (uncompressed).",
+        c"raise and raise_many refuse a larger event (54000).",
+        &MAX_EVENT_SIZE,
+        1024,
+        64 * 1024 * 1024,
+        GucContext::Suset,
+        GucFlags::UNIT_BYTE,
     );
     GucRegistry::define_int_guc(
         c"pg_outbox.http_max_response",

@@ -6,6 +6,7 @@ use crate::error::{Error, OrReport};
 use crate::owner::{as_owner, caller};
 use crate::raw::RawRegprocedure;
 use crate::settings;
+use pg_outbox_core::limits::{PATTERNS_MAX, PATTERNS_MAX_BYTES};
 use pg_outbox_core::pattern::Pattern;
 use pg_outbox_core::{http, name as names, required, Invalid, InvalidKind, Position};
 use pgrx::datum::DatumWithOid;
@@ -54,6 +55,25 @@ pub(crate) fn topic_regex(topics: Option<Vec<Option<String>>>) -> Result<Option<
                 .with_hint("pass NULL for a sink that receives every topic, or '{#}'"),
         );
     }
+    if topics.len() > PATTERNS_MAX {
+        return Err(Invalid::new(
+            InvalidKind::Parameter,
+            format!(
+                "too many topic patterns: {}, at most {PATTERNS_MAX}",
+                topics.len()
+            ),
+        )
+        .with_hint(
+            "every event is matched against each pattern; use wildcards ('order.*', 'billing.#')",
+        ));
+    }
+    let bytes: usize = topics.iter().flatten().map(|t| t.len()).sum();
+    if bytes > PATTERNS_MAX_BYTES {
+        return Err(Invalid::new(
+            InvalidKind::Parameter,
+            format!("topic patterns too long: {bytes} bytes in all, at most {PATTERNS_MAX_BYTES}"),
+        ));
+    }
     let mut alternatives = Vec::with_capacity(topics.len());
     for (i, t) in topics.iter().enumerate() {
         let t = t
@@ -61,7 +81,22 @@ pub(crate) fn topic_regex(topics: Option<Vec<Option<String>>>) -> Result<Option<
             .ok_or_else(|| Invalid::null(&format!("topics[{}]", i + 1)))?;
         alternatives.push(format!("({})", Pattern::parse(t)?.to_regex()));
     }
-    Ok(Some(alternatives.join("|")))
+    let regex = alternatives.join("|");
+    // The sink's passes match with this regex inside SQL: one PostgreSQL cannot compile would
+    // fail every pass. Refuse it now.
+    let compiles = crate::transaction::in_subtransaction(|| {
+        crate::query::one::<bool>(
+            "SELECT '' OPERATOR(pg_catalog.~) $1",
+            &[DatumWithOid::from(regex.as_str())],
+        )
+    });
+    if let Err(failure) = compiles {
+        return Err(Invalid::new(
+            InvalidKind::Parameter,
+            format!("topic patterns cannot be matched: {}", failure.message),
+        ));
+    }
+    Ok(Some(regex))
 }
 
 /// The part of registering any sink that its kind does not change: checks the id, topics and
@@ -145,6 +180,10 @@ fn create_http_sink(
     timeout_ms: default!(Option<i32>, "NULL"),
     start_at: default!(Option<&str>, "'origin'"),
 ) -> String {
+    if secret.is_some() || headers.is_some() {
+        // Whatever fails from here on, the log must not show the statement that holds them.
+        crate::secrets::hide_statement_until_transaction_end();
+    }
     let id = required(id, "id").or_report();
     names::validate("sink", id).or_report();
     let url = required(url, "url").or_report();

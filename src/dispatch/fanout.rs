@@ -1,6 +1,6 @@
 //! Fan-out: one pass of one subscription, in the worker's transaction.
 //!
-//! Lease (a transaction advisory lock, as for sinks), read a window past the cursor with the read
+//! Lease (a transaction-scoped lock of `crate::lease`, as for sinks), read a window past the cursor with the read
 //! rule, evaluate the filter on each event of the subscription's topics, write one job per match
 //! (the event as its payload, the event's id as its key, so a job is never queued twice while
 //! it waits), move the cursor past the whole window and count -- all in one transaction, so a
@@ -18,9 +18,6 @@ use pgrx::spi::SpiClient;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
-
-/// The first key of the subscriptions' advisory locks ("outf"); the second is the lease_key.
-const FANOUT_LEASE_CLASS: i32 = 0x6f75_7466;
 
 /// Events read per pass. Jobs are small rows; a larger window amortises the pass.
 pub const WINDOW: i32 = 1000;
@@ -69,7 +66,7 @@ impl Subscription {
     }
 }
 
-/// Takes the leases of the subscriptions it can (a transaction advisory lock each, without
+/// Takes the leases of the subscriptions it can (a transaction-scoped lock each, without
 /// waiting) and reads them. Returns them, and whether another worker held one.
 fn lease(client: &SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool) {
     let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
@@ -77,20 +74,19 @@ fn lease(client: &SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool) {
     let mut contended = false;
     for row in client
         .select(
-            "SELECT s.name, pg_catalog.pg_try_advisory_xact_lock($2, s.lease_key) \
-               FROM outbox.subscriptions s WHERE s.name = ANY ($1) ORDER BY s.name",
+            "SELECT s.name, s.lease_key FROM outbox.subscriptions s \
+              WHERE s.name OPERATOR(pg_catalog.=) ANY ($1) ORDER BY s.name",
             None,
-            &[
-                DatumWithOid::from(names),
-                DatumWithOid::from(FANOUT_LEASE_CLASS),
-            ],
+            &[DatumWithOid::from(names)],
         )
         .expect("taking subscription leases")
     {
         let name: String = row.get(1).unwrap().expect("name");
-        match row.get::<bool>(2).unwrap() {
-            Some(true) => leased.push(name),
-            _ => contended = true,
+        let key: i32 = row.get(2).unwrap().expect("lease_key is NOT NULL");
+        if crate::lease::try_xact(crate::lease::Class::Subscription, key) {
+            leased.push(name);
+        } else {
+            contended = true;
         }
     }
     if leased.is_empty() {
@@ -254,6 +250,9 @@ fn fan_out(
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut last: Option<String> = None;
     for row in rows {
+        // Cancel and terminate are answered between events, and within an evaluation through the
+        // filter budget's interrupt probe (set in worker::run).
+        pg_sys::check_for_interrupts!();
         let position: String = row.get(1).unwrap().expect("position");
         let topic: String = row.get(2).unwrap().expect("topic");
         // Converted once, for every filter that looks at this event, and only if one does.
@@ -281,7 +280,11 @@ fn fan_out(
                             raised_at: &raised_at,
                         })
                     });
-                    filter.matches_in(context)
+                    let verdict = filter.matches_in(context);
+                    if pg_outbox_core::budget::interrupted() {
+                        pg_sys::check_for_interrupts!();
+                    }
+                    verdict
                 }
             };
             match verdict {

@@ -1,13 +1,14 @@
 //! One delivery pass of an HTTP sink.
 //!
 //! Unlike a SQL sink, the network call must happen with no transaction open. So a pass is:
-//! transaction 1 takes the sink's lease (a session-level advisory lock, which outlives the
-//! transaction), reads a window with the read rule and renders it as a CloudEvents batch; the
+//! transaction 1 takes the sink's lease (a session-level lock, `crate::lease`, which outlives
+//! the transaction), reads a window with the read rule and renders it as a CloudEvents batch; the
 //! POST runs on a thread of its own that never calls Postgres; transaction 2 records the outcome
 //! (cursor, failure policy, dead letter) and the lease is released. A worker that dies releases
 //! the lease with its session. The cursor moves only after a 2xx: at least once.
 
-use super::{save_state, PassResult, SINK_LEASE_CLASS};
+use super::{save_state, PassResult};
+use crate::lease::{self, Class};
 use crate::settings;
 use crate::transaction::{in_transaction, Failure};
 use pg_outbox_core::http::{self, Outcome, Secret};
@@ -29,7 +30,7 @@ struct Request {
 
 struct Sink {
     id: String,
-    /// Second key of the session-level advisory lock this pass holds.
+    /// Key of the session-level lease this pass holds.
     lease_key: i32,
     /// The cursor's rewind count when read: a save after a rewind (or for a sink dropped and
     /// created again under the same name) must not apply.
@@ -64,18 +65,17 @@ enum Prepared {
 
 fn lease_and_read(id: &str) -> Prepared {
     Spi::connect(|client| {
-        let locked = client.select(
-            "SELECT s.lease_key, pg_catalog.pg_try_advisory_lock($2, s.lease_key) FROM outbox.sinks s \
-              WHERE s.id = $1 AND s.kind = 'http'",
+        let key = client.select(
+            "SELECT s.lease_key FROM outbox.sinks s \
+              WHERE s.id OPERATOR(pg_catalog.=) $1 AND s.kind OPERATOR(pg_catalog.=) 'http'",
             Some(1),
-            &[DatumWithOid::from(id), DatumWithOid::from(SINK_LEASE_CLASS)],
+            &[DatumWithOid::from(id)],
         )?;
-        if locked.is_empty() {
+        if key.is_empty() {
             return Ok(Prepared::Absent);
         }
-        let (lease_key, got) = locked.first().get_two::<i32, bool>()?;
-        let lease_key = lease_key.expect("lease_key is NOT NULL");
-        if got != Some(true) {
+        let lease_key = key.first().get_one::<i32>()?.expect("lease_key is NOT NULL");
+        if !lease::try_session(Class::Sink, lease_key) {
             return Ok(Prepared::Contended);
         }
         crate::transaction::refresh_snapshot();
@@ -427,18 +427,12 @@ fn request(sink: &Sink, window: &Window) -> Request {
 /// Releases a sink's lease (a session-level lock: it outlives transactions, so it is released
 /// explicitly; a worker that dies releases it with its session).
 fn unlock(lease_key: i32) {
-    Spi::run_with_args(
-        "SELECT pg_catalog.pg_advisory_unlock($1, $2)",
-        &[
-            DatumWithOid::from(SINK_LEASE_CLASS),
-            DatumWithOid::from(lease_key),
-        ],
-    )
-    .expect("releasing a sink lease");
+    lease::release_session(Class::Sink, lease_key);
 }
 
 fn release(lease_key: i32) -> Result<(), Failure> {
-    in_transaction(|| unlock(lease_key))
+    unlock(lease_key);
+    Ok(())
 }
 
 /// A request on its way: started by `start`, recorded by `finish`.
@@ -479,13 +473,13 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
     let prepared = in_transaction(|| lease_and_read(id)).inspect_err(|_| {
         // The lease may have been taken before the error: a session lock survives the abort.
         let _ = in_transaction(|| {
-            Spi::run_with_args(
-                "SELECT pg_catalog.pg_advisory_unlock($2, s.lease_key) FROM outbox.sinks s \
-                  WHERE s.id = $1 AND EXISTS (SELECT 1 FROM pg_catalog.pg_locks l \
-                         WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid() \
-                           AND l.classid::int4 = $2 AND l.objid::int4 = s.lease_key)",
-                &[DatumWithOid::from(id), DatumWithOid::from(SINK_LEASE_CLASS)],
-            )
+            let key = crate::query::one::<i32>(
+                "SELECT s.lease_key FROM outbox.sinks s WHERE s.id OPERATOR(pg_catalog.=) $1",
+                &[DatumWithOid::from(id)],
+            );
+            if let Some(key) = key {
+                unlock(key);
+            }
         });
     })?;
     let (sink, window, replay) = match prepared {

@@ -46,9 +46,6 @@ unsafe fn disable_timeout(id: i32, keep_indicator: bool) {
     unsafe { pg_sys::ffi::pg_guard_ffi_boundary(|| disable_timeout_raw(id, keep_indicator)) }
 }
 
-/// The first key of the sinks' advisory locks ("outs"); the second is the sink's lease_key.
-pub(crate) const SINK_LEASE_CLASS: i32 = 0x6f75_7473;
-
 pub enum PassResult {
     /// The sink is paused, not due, or gone (or DDL holds the tables).
     Skipped,
@@ -190,20 +187,24 @@ enum Leased {
 /// Takes the sink's lease and reads its state. None: another worker holds it, or it is paused,
 /// not due, or gone.
 ///
-/// The lease is a transaction-scoped advisory lock, not a row lock: locking a row would give the
-/// pass a transaction id from its first statement, and a transaction id held through a slow
-/// handler holds back the read horizon of every reader in the cluster. This way the pass takes an
-/// id only when its handler first writes, and when it saves the cursor at the end.
+/// The lease is a transaction-scoped lock (see `crate::lease`), not a row lock: locking a row would
+/// give the pass a transaction id from its first statement, and a transaction id held through a
+/// slow handler holds back the read horizon of every reader in the cluster. This way the pass
+/// takes an id only when its handler first writes, and when it saves the cursor at the end.
 fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
-    let locked = client.select(
-        "SELECT pg_catalog.pg_try_advisory_xact_lock($2, s.lease_key) FROM outbox.sinks s WHERE s.id = $1",
+    let key = client.select(
+        "SELECT s.lease_key FROM outbox.sinks s WHERE s.id OPERATOR(pg_catalog.=) $1",
         Some(1),
-        &[DatumWithOid::from(id), DatumWithOid::from(SINK_LEASE_CLASS)],
+        &[DatumWithOid::from(id)],
     )?;
-    if locked.is_empty() {
+    if key.is_empty() {
         return Ok(Leased::Absent);
     }
-    if locked.first().get_one::<bool>()? != Some(true) {
+    let key = key
+        .first()
+        .get_one::<i32>()?
+        .expect("lease_key is NOT NULL");
+    if !crate::lease::try_xact(crate::lease::Class::Sink, key) {
         return Ok(Leased::Contended);
     }
     // The previous holder committed before it released the lease: a snapshot taken now sees its
@@ -308,7 +309,8 @@ fn deliver(client: &mut SpiClient<'_>, sink: &Sink, events: pg_sys::Datum) -> Re
 
 /// Runs `f` (a handler call) in a subtransaction, as `owner`, under the handler timeout
 /// (`pg_outbox.sink_timeout`): the way SECURITY DEFINER switches users, restricted so the handler
-/// cannot SET ROLE its way out. An ERROR rolls the subtransaction back and comes back as a value.
+/// cannot SET ROLE its way out, in a GUC nest level of its own so that nothing it sets outlives
+/// it (`crate::isolation`). An ERROR rolls the subtransaction back and comes back as a value.
 pub(crate) fn as_handler_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> Result<R, Failure> {
     in_subtransaction(|| {
         let (mut user, mut context) = (pg_sys::InvalidOid, 0i32);
@@ -335,6 +337,9 @@ pub(crate) fn as_handler_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> 
             }
         }
         let _restore = Restore(user, context);
+        // Dropped first: the handler's settings are undone while still acting as its owner.
+        let _nest = crate::isolation::NestLevel::for_handler();
+        let _running = crate::worker::HandlerRunning::enter();
         f()
     })
 }

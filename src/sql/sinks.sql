@@ -25,7 +25,7 @@ CREATE TABLE outbox.sinks (
     last_delivered_at timestamptz,
     delivered         bigint      NOT NULL DEFAULT 0,
     created_at        timestamptz NOT NULL DEFAULT pg_catalog.now(),
-    -- Second key of the sink's advisory-lock lease (see dispatch::lease).
+    -- Key of the sink's lease (see src/lease.rs).
     lease_key         integer     GENERATED ALWAYS AS IDENTITY
 );
 

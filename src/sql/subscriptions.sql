@@ -24,7 +24,7 @@ CREATE TABLE outbox.subscriptions (
     last_predicate_error_at timestamptz,
     last_fanout_at         timestamptz,
     created_at             timestamptz NOT NULL DEFAULT pg_catalog.now(),
-    -- Second key of the subscription's advisory-lock lease (see dispatch::fanout).
+    -- Key of the subscription's lease (see src/lease.rs).
     lease_key              integer     GENERATED ALWAYS AS IDENTITY,
     CONSTRAINT subscriptions_handler_queue CHECK (handler IS NULL OR queue = name)
 );

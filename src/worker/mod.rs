@@ -144,6 +144,71 @@ unsafe extern "C-unwind" fn on_object_access(
     }
 }
 
+/// SIGTERM was received (process-local; the handler below sets it).
+static STOP: AtomicBool = AtomicBool::new(false);
+/// A tenant's handler is running in this process (see `HandlerRunning`).
+static IN_HANDLER: AtomicBool = AtomicBool::new(false);
+
+/// Makes the next CHECK_FOR_INTERRUPTS end the process with FATAL, as PostgreSQL's own `die`
+/// does for a backend: a handler cannot catch that (PL/pgSQL's EXCEPTION catches ERRORs only),
+/// and its transaction rolls back.
+fn die_at_next_interrupt_check() {
+    // SAFETY: the two flags are sig_atomic_t globals that signal handlers set; this is what
+    // die() in postgres.c does.
+    unsafe {
+        pg_sys::ProcDiePending = 1;
+        pg_sys::InterruptPending = 1;
+    }
+}
+
+/// SIGTERM (`pg_terminate_backend`, `pg_ctl stop -m fast`, DROP DATABASE): between steps the
+/// worker's loop sees the flag and stops; inside a tenant's handler the worker dies at once. The
+/// handler pgrx installs only sets a flag, so a handler that caught the cancel of sink_timeout and
+/// looped kept the worker (and `pg_ctl stop`) waiting forever (issue #10).
+unsafe extern "C-unwind" fn on_sigterm(_signal: std::ffi::c_int) {
+    // SAFETY: signal handler: only atomics, sig_atomic_t flags and SetLatch (which PostgreSQL
+    // makes async-signal-safe); errno is kept for the interrupted code.
+    unsafe {
+        let errno = *libc::__errno_location();
+        STOP.store(true, Ordering::SeqCst);
+        if IN_HANDLER.load(Ordering::SeqCst) {
+            die_at_next_interrupt_check();
+        }
+        pg_sys::SetLatch(pg_sys::MyLatch);
+        *libc::__errno_location() = errno;
+    }
+}
+
+/// Replaces pgrx's SIGTERM handler with `on_sigterm`. Call after `attach_signal_handlers`.
+pub(crate) fn install_sigterm() {
+    // SAFETY: installs a signal handler in this process, as pqsignal's callers in core do.
+    unsafe { pg_sys::pqsignal(libc::SIGTERM, Some(on_sigterm)) };
+}
+
+/// Whether SIGTERM has arrived.
+pub(crate) fn stop_requested() -> bool {
+    STOP.load(Ordering::SeqCst)
+}
+
+/// Marks a tenant's handler as running while alive: SIGTERM then ends the worker at once.
+pub(crate) struct HandlerRunning;
+
+impl HandlerRunning {
+    pub(crate) fn enter() -> HandlerRunning {
+        IN_HANDLER.store(true, Ordering::SeqCst);
+        if STOP.load(Ordering::SeqCst) {
+            die_at_next_interrupt_check();
+        }
+        HandlerRunning
+    }
+}
+
+impl Drop for HandlerRunning {
+    fn drop(&mut self) {
+        IN_HANDLER.store(false, Ordering::SeqCst);
+    }
+}
+
 fn set_latch(slot: &Slot) {
     // SAFETY: the pointer was MyProc of a worker; PGPROCs live in shared memory for the life of
     // the cluster, so at worst a stale one wakes another process spuriously.

@@ -49,7 +49,7 @@ struct Worker {
     contention_backoff: Duration,
     /// HTTP clients by sink, kept for keep-alive connections.
     agents: dispatch::http::Agents,
-    /// SIGTERM was seen. pgrx's flag resets when read, so it is kept here.
+    /// SIGTERM was seen.
     stop: bool,
 }
 
@@ -58,9 +58,22 @@ struct Worker {
 pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
     let slot = arg.value();
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    super::install_sigterm();
+    // A filter evaluation stops within a few hundred steps once an interrupt is pending.
+    pg_outbox_core::budget::set_interrupt_probe(|| {
+        // SAFETY: reads a sig_atomic_t flag that signal handlers set.
+        unsafe { pg_sys::InterruptPending != 0 }
+    });
     let database = settings::database();
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
     slot_started(slot);
+    // Before any statement of the worker's own: see crate::isolation.
+    if let Err(e) = in_transaction(crate::isolation::pin_worker_settings) {
+        pgrx::warning!("pg_outbox worker {slot}: cannot pin its settings, restarting: {e}");
+        slot_stopped(slot);
+        // SAFETY: ends this process; exit code 1 asks the postmaster to start the worker again.
+        unsafe { pg_sys::proc_exit(1) };
+    }
     let mut worker = Worker {
         slot,
         database,
@@ -114,6 +127,19 @@ impl Worker {
         let poll = settings::ms(&settings::POLL_INTERVAL_MS);
         if !settings::ENABLED.get() {
             return poll;
+        }
+        // Each handler's settings are undone when it returns (crate::isolation); should one ever
+        // leak anyway, it is put back before the worker runs a statement of its own.
+        let drifted = crate::isolation::drifted();
+        if !drifted.is_empty() {
+            self.failed(&format!(
+                "settings changed under the worker, restored: {}",
+                drifted.join(", ")
+            ));
+            if let Err(e) = in_transaction(crate::isolation::pin_worker_settings) {
+                self.failed(&format!("restoring settings: {e}"));
+                return poll;
+            }
         }
         // One short transaction decides what this round does: is the SQL installed, which sinks
         // are due.
@@ -349,7 +375,7 @@ impl Worker {
 
     /// True once SIGTERM has arrived (and from then on).
     fn stopping(&mut self) -> bool {
-        self.stop |= BackgroundWorker::sigterm_received();
+        self.stop |= super::stop_requested();
         self.stop
     }
 

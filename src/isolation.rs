@@ -1,0 +1,120 @@
+//! The trust boundary between the workers (a superuser process) and the code tenants wrote.
+//!
+//! Two rules, both as PostgreSQL keeps them for SECURITY DEFINER functions (`fmgr_security_definer`):
+//! - The workers' own SQL runs under settings pinned for the life of the process, above all
+//!   `search_path = pg_catalog, pg_temp`: no user schema is searched for an operator, a function
+//!   or a type while the workers act as the superuser. `ALTER DATABASE ... SET` (which a
+//!   database owner may run) applies at connection with a lower priority and is overridden.
+//! - Every handler call runs in a GUC nest level of its own, and everything it set is undone when
+//!   it returns, whether it succeeded or failed: a handler that ran `set_config('search_path',
+//!   'shipping, pg_catalog', false)` once made the worker resolve `=` to the tenant's operator as
+//!   the superuser (issue #10). Unlike a SECURITY DEFINER function, a plain `SET` in a handler does
+//!   not survive either: the nest level is closed as if aborted.
+
+use pgrx::pg_sys;
+use std::ffi::CStr;
+
+/// What the workers' own statements rely on. Each would otherwise come from the database's or
+/// the bootstrap role's defaults, which a database owner can change.
+const PINNED: [(&CStr, &CStr); 9] = [
+    // Nothing but the catalog resolves an unqualified name in the workers' SQL.
+    (c"search_path", c"pg_catalog, pg_temp"),
+    // The workers write (cursors, jobs, dead letters) and rely on READ COMMITTED snapshots.
+    (c"default_transaction_read_only", c"off"),
+    (c"default_transaction_isolation", c"read committed"),
+    // The handler timeout is the workers' own; no inherited timeout may cut their bookkeeping.
+    (c"statement_timeout", c"0"),
+    (c"lock_timeout", c"0"),
+    (c"idle_in_transaction_session_timeout", c"0"),
+    // How the workers' SQL text itself parses and compares.
+    (c"standard_conforming_strings", c"on"),
+    (c"transform_null_equals", c"off"),
+    (c"array_nulls", c"on"),
+];
+
+/// Sets the pinned settings for the rest of this process's life (at session level: above the
+/// database's and role's defaults and the configuration file). Call in a transaction.
+pub fn pin_worker_settings() {
+    for (name, value) in PINNED {
+        set(name, value);
+    }
+}
+
+fn set(name: &CStr, value: &CStr) {
+    // SAFETY: a GUC assignment with valid C strings inside a transaction; a value that does not
+    // apply raises an ERROR, which the caller's transaction catches.
+    unsafe {
+        pg_sys::set_config_option(
+            name.as_ptr(),
+            value.as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SET,
+            true,
+            0,
+            false,
+        );
+    }
+}
+
+/// The current value of a setting, as SHOW prints it.
+fn current(name: &CStr) -> Option<String> {
+    // SAFETY: reads a GUC by name; missing_ok, so an unknown name gives NULL.
+    unsafe {
+        let v = pg_sys::GetConfigOption(name.as_ptr(), true, false);
+        (!v.is_null()).then(|| CStr::from_ptr(v).to_string_lossy().into_owned())
+    }
+}
+
+/// The pinned settings that no longer hold (defence in depth: the nest levels should make this
+/// impossible). The worker checks before each round, puts them back and says so.
+pub fn drifted() -> Vec<String> {
+    PINNED
+        .iter()
+        .filter(|(name, value)| current(name).as_deref() != Some(&*value.to_string_lossy()))
+        .map(|(name, _)| name.to_string_lossy().into_owned())
+        .collect()
+}
+
+/// What a handler sees as its search_path: PostgreSQL's default, as in a fresh session of its
+/// owner (`"$user"` is the owner while it runs). The workers' own pinned path would make every
+/// unqualified name in a handler fail; the owner's `ALTER ROLE ... SET` is not applied. Whatever
+/// a handler resolves through it, it resolves as its owner, never as the superuser.
+const HANDLER_SEARCH_PATH: &CStr = c"\"$user\", public";
+
+/// A GUC nest level around a handler call: everything set inside (SET, SET LOCAL, set_config,
+/// a function's own SET clause) is undone when this is dropped, whether the call returned or
+/// raised. On an ERROR the enclosing subtransaction's abort would undo it anyway; doing it here on
+/// both paths means no setting reaches the worker's next statement.
+pub struct NestLevel(i32);
+
+impl NestLevel {
+    /// Opens a level for a handler call, with the handler's search_path set inside it.
+    pub fn for_handler() -> NestLevel {
+        // SAFETY: opens a GUC nest level, as fmgr_security_definer does before calling a function,
+        // and sets search_path inside it as a function's SET clause does (GUC_ACTION_SAVE).
+        unsafe {
+            let level = NestLevel(pg_sys::NewGUCNestLevel());
+            pg_sys::set_config_option(
+                c"search_path".as_ptr(),
+                HANDLER_SEARCH_PATH.as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+                pg_sys::GucAction::GUC_ACTION_SAVE,
+                true,
+                0,
+                false,
+            );
+            level
+        }
+    }
+}
+
+impl Drop for NestLevel {
+    fn drop(&mut self) {
+        // SAFETY: closes the level opened above; isCommit = false restores every setting changed
+        // at or inside it to its prior value (AtEOXact_GUC's abort path), which is the point: a
+        // committed plain SET would otherwise be kept.
+        unsafe { pg_sys::AtEOXact_GUC(false, self.0) };
+    }
+}

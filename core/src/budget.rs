@@ -18,7 +18,7 @@
 //! for all and exists) keep their shape: the calls go inside them.
 
 use cel::common::ast::{operators, CallExpr, EntryExpr, Expr, IdedExpr, ListExpr, LiteralValue};
-use cel::common::types::{CelBool, CelBytes, CelList, CelMap, CelString};
+use cel::common::types::{CelBool, CelBytes, CelList, CelMap, CelMapKey, CelOptional, CelString};
 use cel::common::value::{CowVal, Val};
 use cel::objects::Value;
 use cel::{Env, ExecutionError};
@@ -29,6 +29,8 @@ use std::cell::Cell;
 pub const STEPS: u64 = 100_000;
 /// Bytes one evaluation may build (strings, lists and maps it creates).
 pub const BYTES: u64 = 16 << 20;
+/// How long one evaluation may take, whatever its steps do (a step may scan a list with `in`).
+pub const DEADLINE: std::time::Duration = std::time::Duration::from_millis(250);
 /// How often (in steps) the interrupt probe is asked.
 const PROBE_EVERY: u64 = 256;
 
@@ -44,6 +46,7 @@ thread_local! {
     static STEPS_LEFT: Cell<u64> = const { Cell::new(STEPS) };
     static BYTES_LEFT: Cell<u64> = const { Cell::new(BYTES) };
     static INTERRUPTED: Cell<bool> = const { Cell::new(false) };
+    static STARTED: Cell<Option<std::time::Instant>> = const { Cell::new(None) };
     static PROBE: Cell<Option<fn() -> bool>> = const { Cell::new(None) };
 }
 
@@ -58,6 +61,20 @@ pub(crate) fn start() {
     STEPS_LEFT.with(|s| s.set(STEPS));
     BYTES_LEFT.with(|b| b.set(BYTES));
     INTERRUPTED.with(|i| i.set(false));
+    STARTED.with(|t| t.set(Some(std::time::Instant::now())));
+}
+
+fn past_deadline() -> Result<(), ExecutionError> {
+    if STARTED
+        .with(|t| t.get())
+        .is_some_and(|t| t.elapsed() > DEADLINE)
+    {
+        return Err(error(format!(
+            "the filter ran longer than {} ms on this event",
+            DEADLINE.as_millis()
+        )));
+    }
+    Ok(())
 }
 
 /// Whether the last evaluation in this thread stopped for an interrupt (the caller should
@@ -85,7 +102,7 @@ fn step() -> Result<(), ExecutionError> {
         INTERRUPTED.with(|i| i.set(true));
         return Err(error("evaluation interrupted"));
     }
-    Ok(())
+    past_deadline()
 }
 
 /// Bytes a value holds, counting what it contains (a list of strings holds the strings).
@@ -103,9 +120,18 @@ fn size(v: &dyn Val) -> u64 {
         return 16
             + map
                 .inner()
-                .values()
-                .map(|e| 32 + size(e.as_ref()))
+                .iter()
+                .map(|(k, e)| {
+                    let key = match k {
+                        CelMapKey::String(s) => s.inner().len() as u64,
+                        _ => 8,
+                    };
+                    32 + key + size(e.as_ref())
+                })
                 .sum::<u64>();
+    }
+    if let Some(o) = v.downcast_ref::<CelOptional>() {
+        return 16 + o.inner().map_or(0, size);
     }
     16
 }
@@ -123,7 +149,7 @@ fn measure(v: &dyn Val) -> Result<(), ExecutionError> {
             BYTES >> 20
         )));
     }
-    Ok(())
+    past_deadline()
 }
 
 fn budget_hook<'b, 'v>(_args: Vec<CowVal<'b, 'v>>) -> Result<CowVal<'b, 'v>, ExecutionError> {

@@ -76,10 +76,73 @@ pub const MAX_BYTES: usize = 2048;
 /// The deepest nesting of brackets a filter may have, checked before it is parsed: the parser
 /// recurses per level and a few dozen levels overflow a debug build's stack (a crash of the
 /// backend, and of every session with it).
-pub const MAX_BRACKETS: usize = 16;
+pub const MAX_BRACKETS: usize = 12;
 /// The deepest expression a filter may be, checked after parsing: evaluation recurses per level
 /// (`1 + 1 + ... > 0` with 300 terms overflowed the worker's stack on a debug build).
-pub const MAX_DEPTH: usize = 32;
+pub const MAX_DEPTH: usize = 24;
+
+/// The deepest a filter may be once the budget's hooks are in (see `MAX_DEPTH`).
+pub const INSTRUMENTED_DEPTH: usize = 3 * MAX_DEPTH;
+/// The longest pattern `matches` may be given.
+pub const MATCHES_PATTERN_MAX: usize = 256;
+
+/// Why a `matches` call is refused: its pattern is not a string literal, or too long.
+fn dynamic_or_long_pattern(root: &cel::parser::Expression) -> Option<String> {
+    use cel::common::ast::{EntryExpr, Expr, LiteralValue};
+    let mut stack = vec![root];
+    while let Some(e) = stack.pop() {
+        match &e.expr {
+            Expr::Call(call) => {
+                if call.func_name == "matches" {
+                    let pattern = if call.target.is_some() {
+                        call.args.first()
+                    } else {
+                        call.args.get(1)
+                    };
+                    match pattern.map(|p| &p.expr) {
+                        Some(Expr::Literal(LiteralValue::String(s))) => {
+                            if s.inner().len() > MATCHES_PATTERN_MAX {
+                                return Some(format!(
+                                    "a matches() pattern of {} bytes, at most {MATCHES_PATTERN_MAX}",
+                                    s.inner().len()
+                                ));
+                            }
+                        }
+                        _ => return Some("matches() takes a string literal as its pattern".into()),
+                    }
+                }
+                stack.extend(call.target.as_deref());
+                stack.extend(call.args.iter());
+            }
+            Expr::Comprehension(c) => stack.extend([
+                &c.iter_range,
+                &c.accu_init,
+                &c.loop_cond,
+                &c.loop_step,
+                &c.result,
+            ]),
+            Expr::List(list) => stack.extend(list.elements.iter()),
+            Expr::Map(map) => {
+                for entry in &map.entries {
+                    if let EntryExpr::MapEntry(m) = &entry.expr {
+                        stack.push(&m.key);
+                        stack.push(&m.value);
+                    }
+                }
+            }
+            Expr::Struct(st) => {
+                for entry in &st.entries {
+                    if let EntryExpr::StructField(f) = &entry.expr {
+                        stack.push(&f.value);
+                    }
+                }
+            }
+            Expr::Select(select) => stack.push(&select.operand),
+            Expr::Unspecified | Expr::Ident(_) | Expr::Literal(_) => {}
+        }
+    }
+    None
+}
 
 fn too_complex(why: String) -> Invalid {
     Invalid::new(InvalidKind::Parameter, format!("filter is too complex: {why}"))
@@ -190,6 +253,11 @@ impl Filter {
                 "an expression {depth} levels deep, at most {MAX_DEPTH}"
             )));
         }
+        // `matches` compiles its pattern on every call, and a pattern from the event could make
+        // one match cost pattern size times text size: only short literal patterns.
+        if let Some(why) = dynamic_or_long_pattern(program.expression()) {
+            return Err(too_complex(why));
+        }
         let bound = bound_by_macros(source);
         let references = program.references();
         let mut unknown: Vec<&str> = references
@@ -217,8 +285,17 @@ impl Filter {
         }
         let variables = references.variables();
         let uses = VARIABLES.map(|v| variables.contains(&v));
+        let guarded = crate::budget::instrument(program.expression());
+        // The hooks deepen the tree the interpreter recurses over; within this, what passed the
+        // check above stays within a backend's stack (tested in a 2 MB thread).
+        let depth = expression_depth(&guarded);
+        if depth > INSTRUMENTED_DEPTH {
+            return Err(too_complex(format!(
+                "an expression {depth} levels deep once instrumented, at most {INSTRUMENTED_DEPTH}"
+            )));
+        }
         Ok(Filter {
-            guarded: crate::budget::instrument(program.expression()),
+            guarded,
             source: source.to_string(),
             uses,
         })
@@ -382,7 +459,7 @@ mod tests {
             assert!(e.message.contains("too complex"), "{source}: {}", e.message);
         };
         refused(&format!("{}true{}", "(".repeat(60), ")".repeat(60)));
-        refused(&format!("{}true{}", "[".repeat(17), "]".repeat(17)));
+        refused(&format!("{}true{}", "[".repeat(13), "]".repeat(13)));
         refused(&format!("payload.a{} > 1", ".a".repeat(40)));
         refused(&format!("1{} > 0", " + 1".repeat(300)));
         refused(&format!("1{} > 0", "+1".repeat(1000)));
@@ -390,7 +467,7 @@ mod tests {
         // Brackets inside strings do not count; ordinary filters pass.
         Filter::compile(&format!("topic == \"{}\"", "(".repeat(100))).unwrap();
         Filter::compile(r#"payload.amount > 100 && tenant in ["acme", "globex"] && payload.items.exists(i, i.sku == "X1")"#).unwrap();
-        Filter::compile(&format!("1{} > 0", " + 1".repeat(25))).unwrap();
+        Filter::compile(&format!("1{} > 0", " + 1".repeat(20))).unwrap();
         // CEL balances && and || chains: 40 clauses are 7 levels deep.
         Filter::compile(&format!("true{}", " && true".repeat(40))).unwrap();
     }
@@ -422,9 +499,20 @@ mod tests {
             "size([{}]) > 0",
             vec!["payload.s + payload.s"; 60].join(", ")
         );
+        // Map keys copied from the event (found by review: keys were not measured).
+        let forty = format!(
+            "[{}]",
+            (0..40).map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+        );
+        let keys = format!(
+            "size({forty}.map(a, {forty}.map(b, {forty}.map(c, {{string(bytes(payload.s)): c}})))) > 0"
+        );
+        // A cheap-looking step that scans the whole event: `in` over a long list, in a loop.
+        let scan = "payload.items.all(a, !(-1 in payload.long))";
         let payload = json!({
             "s": "x".repeat(900_000),
             "items": (0..1000).collect::<Vec<_>>(),
+            "long": (0..90_000).collect::<Vec<_>>(),
         });
         for source in [
             all.as_str(),
@@ -432,6 +520,8 @@ mod tests {
             doubling.as_str(),
             squared,
             concat.as_str(),
+            keys.as_str(),
+            scan,
         ] {
             let filter = match Filter::compile(source) {
                 Ok(f) => f,
@@ -444,11 +534,74 @@ mod tests {
             let started = std::time::Instant::now();
             let verdict = filter.matches(&event(&payload, None));
             let e = verdict.expect_err(source);
-            assert!(e.contains("steps") || e.contains("MB"), "{source}: {e}");
+            assert!(
+                e.contains("steps") || e.contains("MB") || e.contains(" ms "),
+                "{source}: {e}"
+            );
             assert!(
                 started.elapsed() < std::time::Duration::from_secs(20),
                 "{source}"
             );
+        }
+    }
+
+    #[test]
+    fn matches_takes_only_short_literal_patterns() {
+        for source in [
+            "payload.s.matches(payload.p)",
+            "matches(payload.s, payload.p)",
+            "payload.s.matches('a' + payload.p)",
+        ] {
+            let e = Filter::compile(source).unwrap_err();
+            assert!(e.message.contains("literal"), "{source}: {}", e.message);
+        }
+        let long = format!(
+            "payload.s.matches('{}')",
+            "a".repeat(MATCHES_PATTERN_MAX + 1)
+        );
+        assert!(Filter::compile(&long)
+            .unwrap_err()
+            .message
+            .contains("bytes"));
+        assert_eq!(
+            check("payload.s.matches('^x+$')", json!({"s": "xxx"}), None),
+            Ok(true)
+        );
+    }
+
+    /// The deepest filters `subscribe` accepts, evaluated with their hooks in a 2 MB test thread
+    /// (less stack than a backend has): none may overflow it.
+    #[test]
+    fn the_deepest_accepted_filters_evaluate_within_a_small_stack() {
+        let mut deepest_sum = None;
+        for n in 1..200 {
+            match Filter::compile(&format!("1{} > 0", " + 1".repeat(n))) {
+                Ok(f) => deepest_sum = Some(f),
+                Err(_) => break,
+            }
+        }
+        let mut deepest_loop = None;
+        for n in 1..40 {
+            let mut body = "true".to_string();
+            for i in 0..n {
+                body = format!("[1,2].all(v{i}, {body})");
+            }
+            match Filter::compile(&body) {
+                Ok(f) => deepest_loop = Some(f),
+                Err(_) => break,
+            }
+        }
+        let mut deepest_select = None;
+        for n in 1..60 {
+            match Filter::compile(&format!("has(payload{})", ".a".repeat(n))) {
+                Ok(f) => deepest_select = Some(f),
+                Err(_) => break,
+            }
+        }
+        let payload = json!({"a": {"a": {"a": 1}}});
+        for f in [deepest_sum, deepest_loop, deepest_select] {
+            let f = f.expect("some depth is accepted");
+            let _ = f.matches(&event(&payload, None));
         }
     }
 

@@ -208,7 +208,11 @@ fn reach_v6(a: std::net::Ipv6Addr) -> Reach {
         Reach::Global
     } else if v6_in(a, [0xfc00, 0, 0, 0, 0, 0, 0, 0], 7) {
         Reach::Private // unique local
-    } else if NEVER.iter().any(|&(n, l)| v6_in(a, n, l)) {
+    } else if NEVER.iter().any(|&(n, l)| v6_in(a, n, l))
+        // Global unicast is 2000::/3; everything else is reserved by the IETF (or one of the
+        // special ranges above), and new special-purpose entries keep appearing: refuse it.
+        || !v6_in(a, [0x2000, 0, 0, 0, 0, 0, 0, 0], 3)
+    {
         Reach::Never
     } else {
         Reach::Global
@@ -561,6 +565,10 @@ mod tests {
             ("ff02::1", Never), // multicast
             ("2606:2800:220:1::1", Global),
             ("2a00:1450:4001::1", Global),
+            ("3ffe:ffff::1", Global), // still inside 2000::/3
+            ("4000::1", Never),       // IETF reserved, outside global unicast
+            ("1::1", Never),
+            ("e000::1", Never),
         ];
         let open = Allow {
             plain_http: false,

@@ -10,8 +10,6 @@
 //! what an operator wants to see.
 
 use pgrx::pg_sys;
-use std::cell::RefCell;
-use std::collections::HashSet;
 
 /// The tag's fourth field ("ou"): never 1 or 2, the only values SQL's advisory locks use.
 const FIELD4: u16 = 0x6f75;
@@ -19,7 +17,8 @@ const FIELD4: u16 = 0x6f75;
 /// What a lock serialises; the tag's second field.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Class {
-    /// A sink's delivery: one worker at a time. Key: the sink's lease_key.
+    /// A SQL sink's delivery: one worker at a time. Key: the sink's lease_key. (An HTTP sink's
+    /// lease spans transactions and lives in the workers' shared memory: worker::try_http_lease.)
     Sink = 1,
     /// A subscription's fan-out. Key: the subscription's lease_key.
     Subscription = 2,
@@ -39,53 +38,24 @@ fn tag(class: Class, key: i32) -> pg_sys::LOCKTAG {
     }
 }
 
-fn acquire(class: Class, key: i32, mode: u32, session: bool, wait: bool) -> bool {
+fn acquire(class: Class, key: i32, mode: u32, wait: bool) -> bool {
     let tag = tag(class, key);
     // SAFETY: a lock-manager call with a valid tag from this backend, inside a transaction (the
-    // lock manager needs a resource owner for transaction-scoped locks; session locks need none).
-    let result = unsafe { pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, session, !wait) };
+    // lock is transaction-scoped: released with it, whatever ends it).
+    let result = unsafe { pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, false, !wait) };
     result != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
 }
 
 /// Takes the lease of `class`/`key` until the transaction ends, without waiting. False when
 /// another process holds it.
 pub fn try_xact(class: Class, key: i32) -> bool {
-    acquire(class, key, pg_sys::ExclusiveLock, false, false)
-}
-
-thread_local! {
-    /// The session-level leases this process holds, so that releasing one that is not held (after
-    /// an error between taking and recording it) is a no-op rather than a WARNING.
-    static SESSION: RefCell<HashSet<(Class, i32)>> = RefCell::new(HashSet::new());
-}
-
-/// Takes the lease of `class`/`key` until `release_session` (or the end of the process), without
-/// waiting. Used where a pass spans transactions (an HTTP request flies between two).
-pub fn try_session(class: Class, key: i32) -> bool {
-    if SESSION.with(|s| s.borrow().contains(&(class, key))) {
-        return true;
-    }
-    let got = acquire(class, key, pg_sys::ExclusiveLock, true, false);
-    if got {
-        SESSION.with(|s| s.borrow_mut().insert((class, key)));
-    }
-    got
-}
-
-/// Releases a session-level lease taken by `try_session`; nothing if this process does not hold it.
-pub fn release_session(class: Class, key: i32) {
-    if !SESSION.with(|s| s.borrow_mut().remove(&(class, key))) {
-        return;
-    }
-    let tag = tag(class, key);
-    // SAFETY: releases a session lock this process took above.
-    unsafe { pg_sys::LockRelease(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, true) };
+    acquire(class, key, pg_sys::ExclusiveLock, false)
 }
 
 /// Shared: a cursor is being created or moved back in this transaction. Waits while pruning
 /// computes its bound (a few milliseconds).
 pub fn cursors_shared() {
-    acquire(Class::Cursors, 0, pg_sys::ShareLock, false, true);
+    acquire(Class::Cursors, 0, pg_sys::ShareLock, true);
 }
 
 /// Exclusive, for pruning's bound: false (and nothing pruned this time) while any transaction is
@@ -93,5 +63,5 @@ pub fn cursors_shared() {
 /// they can cancel; the workers never wait, so a role that leaves such a transaction open cannot
 /// hold a worker.
 pub fn cursors_exclusive(wait: bool) -> bool {
-    acquire(Class::Cursors, 0, pg_sys::ExclusiveLock, false, wait)
+    acquire(Class::Cursors, 0, pg_sys::ExclusiveLock, wait)
 }

@@ -180,10 +180,9 @@ fn create_http_sink(
     timeout_ms: default!(Option<i32>, "NULL"),
     start_at: default!(Option<&str>, "'origin'"),
 ) -> String {
-    if secret.is_some() || headers.is_some() {
-        // Whatever fails from here on, the log must not show the statement that holds them.
-        crate::secrets::hide_statement_until_transaction_end();
-    }
+    // Whatever fails from here on, the log must not show the statement: it may hold a secret,
+    // headers, or a url whose path is a credential (many webhook urls are).
+    crate::secrets::hide_statement_until_transaction_end();
     let id = required(id, "id").or_report();
     names::validate("sink", id).or_report();
     let url = required(url, "url").or_report();

@@ -173,6 +173,8 @@ pub fn pass(names: &[&str]) -> PassResult {
     if names.is_empty() || !super::lock_tables() {
         return PassResult::Skipped;
     }
+    // Tenants' filters run here: SIGTERM ends the worker at once, as inside a handler.
+    let _tenant_code = crate::worker::TenantCode::enter();
     Spi::connect_mut(|client| {
         let (subs, contended) = lease(client, names);
         if subs.is_empty() {

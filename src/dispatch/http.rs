@@ -1,14 +1,13 @@
 //! One delivery pass of an HTTP sink.
 //!
 //! Unlike a SQL sink, the network call must happen with no transaction open. So a pass is:
-//! transaction 1 takes the sink's lease (a session-level lock, `crate::lease`, which outlives
-//! the transaction), reads a window with the read rule and renders it as a CloudEvents batch; the
+//! transaction 1 takes the sink's lease (in the workers' shared memory, which outlives the
+//! transaction), reads a window with the read rule and renders it as a CloudEvents batch; the
 //! POST runs on a thread of its own that never calls Postgres; transaction 2 records the outcome
 //! (cursor, failure policy, dead letter) and the lease is released. A worker that dies releases
 //! the lease with its session. The cursor moves only after a 2xx: at least once.
 
 use super::{save_state, PassResult};
-use crate::lease::{self, Class};
 use crate::settings;
 use crate::transaction::{in_transaction, Failure};
 use pg_outbox_core::http::{self, Outcome, Secret};
@@ -75,7 +74,7 @@ fn lease_and_read(id: &str) -> Prepared {
             return Ok(Prepared::Absent);
         }
         let lease_key = key.first().get_one::<i32>()?.expect("lease_key is NOT NULL");
-        if !lease::try_session(Class::Sink, lease_key) {
+        if !crate::worker::try_http_lease(lease_key) {
             return Ok(Prepared::Contended);
         }
         crate::transaction::refresh_snapshot();
@@ -305,7 +304,26 @@ fn spawn(agent: ureq::Agent, req: Request, max_response: u64) -> std::thread::Jo
             },
         }
     };
-    std::thread::spawn(work)
+    spawn_without_signals(work)
+}
+
+/// Starts a request's thread with every signal blocked in it: the worker's signal handlers
+/// (SIGTERM, SIGALRM for timeouts, SIGUSR1, ...) touch the backend's state and must run on its
+/// own thread, which a signal sent to the process could otherwise miss.
+fn spawn_without_signals<F: FnOnce() -> Outcome + Send + 'static>(
+    work: F,
+) -> std::thread::JoinHandle<Outcome> {
+    // SAFETY: plain signal-mask calls on this thread; the new thread inherits the blocked mask,
+    // and this thread's own mask is put back right after.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut previous: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut previous);
+        let handle = std::thread::spawn(work);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
+        handle
+    }
 }
 
 fn kind_of(e: &ureq::Error) -> String {
@@ -424,10 +442,10 @@ fn request(sink: &Sink, window: &Window) -> Request {
     }
 }
 
-/// Releases a sink's lease (a session-level lock: it outlives transactions, so it is released
-/// explicitly; a worker that dies releases it with its session).
+/// Releases a sink's lease (it outlives transactions, so it is released explicitly; a worker
+/// that dies loses it with its slot).
 fn unlock(lease_key: i32) {
-    lease::release_session(Class::Sink, lease_key);
+    crate::worker::release_http_lease(lease_key);
 }
 
 fn release(lease_key: i32) -> Result<(), Failure> {
@@ -471,7 +489,7 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
         return Ok(Started::Done(PassResult::Skipped));
     }
     let prepared = in_transaction(|| lease_and_read(id)).inspect_err(|_| {
-        // The lease may have been taken before the error: a session lock survives the abort.
+        // The lease may have been taken before the error: it survives the abort.
         let _ = in_transaction(|| {
             let key = crate::query::one::<i32>(
                 "SELECT s.lease_key FROM outbox.sinks s WHERE s.id OPERATOR(pg_catalog.=) $1",
@@ -513,7 +531,7 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
         .and_then(|u| http::check_host(&u, &settings::http_allowed_hosts()).map_err(|e| e.message));
     let handle = match allowed {
         Ok(()) => spawn(agents.get(&sink), request(&sink, &window), max_response),
-        Err(why) => std::thread::spawn(move || Outcome::Transient {
+        Err(why) => spawn_without_signals(move || Outcome::Transient {
             retry_after: None,
             reason: why,
         }),

@@ -97,12 +97,24 @@ pub fn run(subscription: &str) -> Ran {
                FROM pg_catalog.unnest($1::text[]) e"
         );
         let texts: Vec<&str> = jobs.iter().map(|j| j.event.as_str()).collect();
-        let batch = as_handler_owner(owner, || {
-            client
-                .select(all.as_str(), None, &[DatumWithOid::from(texts.clone())])
-                .map(|_| ())
-                .unwrap_or_else(|e| panic!("{e}"));
-        });
+        let ids: Vec<i64> = jobs.iter().map(|j| j.id).collect();
+        let target = crate::worker::Target::Jobs {
+            subscription,
+            ids: &ids,
+        };
+        // A batch with a job that was in a batch that ended its worker runs one by one.
+        let suspect = crate::worker::any_suspect(&ids);
+        let batch = if suspect {
+            Err(())
+        } else {
+            as_handler_owner(owner, target, || {
+                client
+                    .select(all.as_str(), None, &[DatumWithOid::from(texts.clone())])
+                    .map(|_| ())
+                    .unwrap_or_else(|e| panic!("{e}"));
+            })
+            .map_err(|_| ())
+        };
         let mut done = Vec::with_capacity(jobs.len());
         let mut failed = Vec::new();
         match batch {
@@ -112,7 +124,11 @@ pub fn run(subscription: &str) -> Ran {
                     "SELECT {call}(pg_catalog.jsonb_populate_record(NULL::outbox.event, $1::jsonb))"
                 );
                 for job in &jobs {
-                    let result = as_handler_owner(owner, || {
+                    let target = crate::worker::Target::Jobs {
+                        subscription,
+                        ids: std::slice::from_ref(&job.id),
+                    };
+                    let result = as_handler_owner(owner, target, || {
                         client
                             .select(
                                 one.as_str(),
@@ -146,6 +162,29 @@ pub fn run(subscription: &str) -> Ran {
             full,
         }
     })
+}
+
+/// A job handler call ended its worker (see `worker::InHandler`). One job: its failure is
+/// counted (back-off, then dead after its attempts), so a job whose handler always hangs stops
+/// being retried at once. Several (a batch): which one hung is unknown, so they become suspects
+/// and run one by one from now on (`run`): the one that hangs again is counted alone.
+pub fn after_hang(subscription: &str, ids: &[i64]) {
+    match ids {
+        [] => {}
+        [id] => {
+            let recorded = crate::transaction::in_transaction(|| {
+                if super::lock_tables() {
+                    Spi::connect_mut(|client| {
+                        record_failure(client, subscription, *id, &super::hang_failure())
+                    });
+                }
+            });
+            if let Err(e) = recorded {
+                pgrx::warning!("pg_outbox: job {id} of subscription \"{subscription}\": {e}");
+            }
+        }
+        many => crate::worker::mark_suspects(many),
+    }
 }
 
 /// The handler to call (schema-qualified, quoted) and the role it runs as.

@@ -27,6 +27,10 @@ use std::time::Duration;
 // statement_timeout does); only pg15 is built and tested here.
 const STATEMENT_TIMEOUT: i32 = 3;
 
+/// How long a handler may go on after the cancel of `sink_timeout` before its worker is ended (at
+/// most sink_timeout again).
+const HARD_TIMEOUT_GRACE_MS: i32 = 2_000;
+
 unsafe extern "C-unwind" {
     #[link_name = "enable_timeout_after"]
     fn enable_timeout_after_raw(id: i32, delay_ms: i32);
@@ -293,11 +297,20 @@ fn read_window(
 
 /// Calls the handler on `events` (an outbox.event[] datum) in a subtransaction, as the sink's
 /// owner, under the sink timeout.
-fn deliver(client: &mut SpiClient<'_>, sink: &Sink, events: pg_sys::Datum) -> Result<(), Failure> {
+fn deliver(
+    client: &mut SpiClient<'_>,
+    sink: &Sink,
+    events: pg_sys::Datum,
+    neighbour: bool,
+) -> Result<(), Failure> {
     let sql = format!("SELECT {}($1)", sink.call);
     // SAFETY: the datum is an outbox.event[] read in this SPI connection, still alive.
     let arg = unsafe { DatumWithOid::new(events, sink.event_array_type) };
-    as_handler_owner(sink.owner, || {
+    let target = crate::worker::Target::Sink {
+        id: &sink.id,
+        neighbour,
+    };
+    as_handler_owner(sink.owner, target, || {
         // select, not update: pgrx's update path asks for a transaction id before the handler
         // runs (see `lease`). The handler, a volatile function, still writes.
         client
@@ -311,7 +324,11 @@ fn deliver(client: &mut SpiClient<'_>, sink: &Sink, events: pg_sys::Datum) -> Re
 /// (`pg_outbox.sink_timeout`): the way SECURITY DEFINER switches users, restricted so the handler
 /// cannot SET ROLE its way out, in a GUC nest level of its own so that nothing it sets outlives
 /// it (`crate::isolation`). An ERROR rolls the subtransaction back and comes back as a value.
-pub(crate) fn as_handler_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> Result<R, Failure> {
+pub(crate) fn as_handler_owner<R>(
+    owner: pg_sys::Oid,
+    target: crate::worker::Target<'_>,
+    f: impl FnOnce() -> R,
+) -> Result<R, Failure> {
     in_subtransaction(|| {
         let (mut user, mut context) = (pg_sys::InvalidOid, 0i32);
         // SAFETY: the subtransaction's end restores the user if the handler raises. The timeout
@@ -325,6 +342,14 @@ pub(crate) fn as_handler_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> 
                     | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
             );
             enable_timeout_after(STATEMENT_TIMEOUT, settings::SINK_TIMEOUT_MS.get());
+            // A handler may catch the cancel: after a grace the worker itself is ended.
+            if let Some(hard) = crate::worker::hard_timeout_id() {
+                let timeout = settings::SINK_TIMEOUT_MS.get();
+                enable_timeout_after(
+                    hard,
+                    timeout.saturating_add(timeout.min(HARD_TIMEOUT_GRACE_MS)),
+                );
+            }
         }
         struct Restore(pg_sys::Oid, i32);
         impl Drop for Restore {
@@ -332,6 +357,9 @@ pub(crate) fn as_handler_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> 
                 // SAFETY: undoes exactly the two changes above.
                 unsafe {
                     disable_timeout(STATEMENT_TIMEOUT, false);
+                    if let Some(hard) = crate::worker::hard_timeout_id() {
+                        disable_timeout(hard, false);
+                    }
                     pg_sys::SetUserIdAndSecContext(self.0, self.1);
                 }
             }
@@ -339,7 +367,7 @@ pub(crate) fn as_handler_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> 
         let _restore = Restore(user, context);
         // Dropped first: the handler's settings are undone while still acting as its owner.
         let _nest = crate::isolation::NestLevel::for_handler();
-        let _running = crate::worker::HandlerRunning::enter();
+        let _running = crate::worker::HandlerRunning::enter(target);
         f()
     })
 }
@@ -390,7 +418,7 @@ pub fn pass(id: &str) -> PassResult {
             Leased::Contended => return Ok(PassResult::Contended),
             Leased::Absent => return Ok(PassResult::Skipped),
         };
-        if let Some(result) = crate::replay::deliver_requested(client, &sink.id, |c, events| deliver(c, &sink, events))? {
+        if let Some(result) = crate::replay::deliver_requested(client, &sink.id, |c, events| deliver(c, &sink, events, false))? {
             return Ok(result);
         }
         let policy = settings::policy(sink.max_batch);
@@ -402,7 +430,7 @@ pub fn pass(id: &str) -> PassResult {
             cursor::save(&sink.id, last);
             return Ok(PassResult::Delivered { events: 0, full });
         };
-        match deliver(client, &sink, events) {
+        match deliver(client, &sink, events, false) {
             Ok(()) => {
                 cursor::save(&sink.id, last);
                 save_state(client, &sink.id, policy.after_success(sink.state), None, false, None, window.matching)?;
@@ -436,6 +464,79 @@ pub fn pass(id: &str) -> PassResult {
     .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
 }
 
+/// The failure a handler call that ended its worker counts as.
+pub(crate) fn hang_failure() -> Failure {
+    Failure {
+        sqlstate: "57014".into(),
+        message: format!(
+            "the handler ran past pg_outbox.sink_timeout ({} ms) and did not stop; the worker running it was ended",
+            settings::SINK_TIMEOUT_MS.get()
+        ),
+    }
+}
+
+/// A sink's handler call ended its worker (see `worker::InHandler`): count that as the failure of
+/// that batch, durably, and go on with the failure policy, so that a handler that always hangs
+/// moves through halving, back-off and the neighbour test to the dead letters like any failing
+/// handler. `neighbour`: the hung call was the neighbour test, so the sink is down. Runs in the
+/// transaction of the worker started in the ended one's place, before its first round.
+pub fn after_hang(id: &str, neighbour: bool) {
+    if !lock_tables() {
+        return;
+    }
+    Spi::connect_mut(|client| {
+        let Leased::Sink(sink) = lease(&*client, id)? else {
+            return Ok(());
+        };
+        let failure = hang_failure();
+        let policy = settings::policy(sink.max_batch);
+        let window = read_window(
+            client,
+            sink.cursor,
+            sink.state.batch.min(sink.max_batch),
+            &sink.topic_regex,
+        )?;
+        let (Some(last), Some(events)) = (window.last, window.events) else {
+            return Ok(());
+        };
+        pgrx::warning!("pg_outbox: sink \"{id}\" failed on a batch ending at {last}: {failure}");
+        if neighbour {
+            let AfterNeighbour::Down { state, delay } =
+                policy.after_neighbour(sink.state, Some(false))
+            else {
+                unreachable!()
+            };
+            return save_state(
+                client,
+                &sink.id,
+                state,
+                Some(delay),
+                true,
+                Some(&failure),
+                0,
+            );
+        }
+        match policy.after_failure(sink.state, window.count as u32) {
+            AfterFailure::Halve(state) => {
+                save_state(client, &sink.id, state, None, false, Some(&failure), 0)
+            }
+            AfterFailure::Retry { state, delay } => save_state(
+                client,
+                &sink.id,
+                state,
+                Some(delay),
+                false,
+                Some(&failure),
+                0,
+            ),
+            AfterFailure::TestNeighbour(state) => {
+                neighbour_test(client, &sink, state, last, events, failure).map(|_| ())
+            }
+        }
+    })
+    .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
+}
+
 /// The lone event at `lone` failed `poison_after` times: deliver the next event alone. If it
 /// goes through, `lone` is poison; if not, or there is none yet, the sink is down.
 fn neighbour_test(
@@ -452,7 +553,7 @@ fn neighbour_test(
         Some(span) => {
             let window = read_window(client, lone, span, &sink.topic_regex)?;
             let events = window.events.expect("the span ends at a matching event");
-            (window.last, Some(deliver(client, sink, events)))
+            (window.last, Some(deliver(client, sink, events, true)))
         }
         None => (None, None),
     };

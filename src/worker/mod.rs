@@ -17,6 +17,56 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 const ERROR_BYTES: usize = 200;
+/// Job ids one handler call can hold: dispatch::jobs::BATCH.
+const JOBS_MAX: usize = 50;
+
+/// What a worker's handler call is working on, kept in the worker's slot while the handler runs.
+/// A handler that outlives `sink_timeout` and its grace ends the worker (it cannot be stopped
+/// otherwise); shared memory outlives the worker's exit, so the worker started in its place finds
+/// this and counts the failure durably (`dispatch::after_hang`), instead of running the same
+/// handler on the same events for ever.
+#[derive(Copy, Clone)]
+struct InHandler {
+    /// 0: none; 1: a sink's batch; 2: a sink's neighbour test; 3: a subscription's jobs.
+    kind: u8,
+    name: [u8; 64],
+    name_len: u8,
+    since: i64,
+    jobs: [i64; JOBS_MAX],
+    jobs_len: u8,
+}
+
+impl Default for InHandler {
+    fn default() -> Self {
+        InHandler {
+            kind: 0,
+            name: [0; 64],
+            name_len: 0,
+            since: 0,
+            jobs: [0; JOBS_MAX],
+            jobs_len: 0,
+        }
+    }
+}
+
+/// What a handler call works on (see `InHandler`).
+pub(crate) enum Target<'a> {
+    Sink {
+        id: &'a str,
+        neighbour: bool,
+    },
+    Jobs {
+        subscription: &'a str,
+        ids: &'a [i64],
+    },
+}
+
+/// A handler call that ended its worker: found by the worker started in its place.
+#[derive(Debug)]
+pub(crate) enum Hung {
+    Sink { id: String, neighbour: bool },
+    Jobs { subscription: String, ids: Vec<i64> },
+}
 
 #[derive(Copy, Clone)]
 pub struct Slot {
@@ -33,6 +83,7 @@ pub struct Slot {
     failures: u64,
     last_error: [u8; ERROR_BYTES],
     last_error_len: u16,
+    handler: InHandler,
 }
 
 impl Default for Slot {
@@ -49,17 +100,132 @@ impl Default for Slot {
             failures: 0,
             last_error: [0; ERROR_BYTES],
             last_error_len: 0,
+            handler: InHandler::default(),
         }
     }
 }
 
+/// An HTTP sink's lease while its request flies (see `try_http_lease`).
 #[derive(Copy, Clone, Default)]
+struct HttpLease {
+    database: u32,
+    key: i32,
+    slot: u16,
+    /// The holder; 0: free. Stale once the slot has another pid (its worker exited).
+    pid: i32,
+}
+
+/// HTTP requests in flight at once, cluster-wide.
+const HTTP_LEASES: usize = 256;
+/// Jobs remembered as suspects (see `mark_suspects`), cluster-wide; the oldest are forgotten.
+const SUSPECTS: usize = 1024;
+
+#[derive(Copy, Clone)]
 pub struct WorkerTable {
     slots: [Slot; settings::MAX_WORKERS as usize],
     /// Whether the workers' database has any sink, as the workers last saw it. Commits wake the
     /// workers only then: without sinks a round finds nothing, and a wake per commit would spend
     /// the CPU the writers need.
     has_sinks: bool,
+    http_leases: [HttpLease; HTTP_LEASES],
+    /// (database, job id) of jobs whose batch ended its worker: they run one by one from then on.
+    suspects: [(u32, i64); SUSPECTS],
+    suspects_next: usize,
+}
+
+impl Default for WorkerTable {
+    fn default() -> Self {
+        WorkerTable {
+            slots: Default::default(),
+            has_sinks: false,
+            http_leases: [HttpLease::default(); HTTP_LEASES],
+            suspects: [(0, 0); SUSPECTS],
+            suspects_next: 0,
+        }
+    }
+}
+
+/// Remembers the jobs of a batch whose handler call ended its worker: which of them hung is
+/// unknown, so from now on any batch that holds one of them runs its jobs one by one, and the one
+/// that hangs is counted alone. Shared by every worker (a batch freed by a dead worker is
+/// claimed by another).
+pub(crate) fn mark_suspects(ids: &[i64]) {
+    // SAFETY: reads a backend global of a connected worker.
+    let database = unsafe { pg_sys::MyDatabaseId.to_u32() };
+    let mut table = WORKERS.exclusive();
+    for &id in ids {
+        let at = table.suspects_next % SUSPECTS;
+        table.suspects[at] = (database, id);
+        table.suspects_next = table.suspects_next.wrapping_add(1);
+    }
+}
+
+/// Whether any of `ids` is a suspect (see `mark_suspects`).
+pub(crate) fn any_suspect(ids: &[i64]) -> bool {
+    let table = WORKERS.share();
+    if table.suspects_next == 0 {
+        return false;
+    }
+    // SAFETY: reads a backend global of a connected worker.
+    let database = unsafe { pg_sys::MyDatabaseId.to_u32() };
+    table
+        .suspects
+        .iter()
+        .any(|&(db, id)| db == database && id != 0 && ids.contains(&id))
+}
+
+/// Takes the lease of HTTP sink `key` for this worker, across transactions, without waiting.
+/// False when another live worker holds it (or, should 256 requests be in flight, when none is
+/// free). Kept in the extension's shared memory rather than the lock manager: a session-level
+/// lock there could be released by any handler this worker runs (`pg_advisory_unlock_all`
+/// releases every session lock of its kind), and a second worker would then send the same batch
+/// at the same time. A worker that exits loses its leases: its slot gets another pid.
+pub(crate) fn try_http_lease(key: i32) -> bool {
+    let slot = MY_SLOT.load(Ordering::Relaxed);
+    if slot == usize::MAX {
+        return false;
+    }
+    // SAFETY: reads backend globals of a connected worker.
+    let (database, pid) = unsafe { (pg_sys::MyDatabaseId.to_u32(), pg_sys::MyProcPid) };
+    let mut table = WORKERS.exclusive();
+    let live = |l: &HttpLease, slots: &[Slot]| {
+        l.pid != 0 && slots.get(l.slot as usize).is_some_and(|s| s.pid == l.pid)
+    };
+    let slots = table.slots;
+    if let Some(held) = table
+        .http_leases
+        .iter()
+        .find(|l| l.database == database && l.key == key && live(l, &slots))
+    {
+        return held.pid == pid;
+    }
+    match table.http_leases.iter_mut().find(|l| !live(l, &slots)) {
+        Some(free) => {
+            *free = HttpLease {
+                database,
+                key,
+                slot: slot as u16,
+                pid,
+            };
+            true
+        }
+        None => false,
+    }
+}
+
+/// Gives back this worker's lease of HTTP sink `key`, if it holds it.
+pub(crate) fn release_http_lease(key: i32) {
+    // SAFETY: reads backend globals of a connected worker.
+    let (database, pid) = unsafe { (pg_sys::MyDatabaseId.to_u32(), pg_sys::MyProcPid) };
+    if MY_SLOT.load(Ordering::Relaxed) == usize::MAX {
+        return;
+    }
+    let mut table = WORKERS.exclusive();
+    for l in table.http_leases.iter_mut() {
+        if l.database == database && l.key == key && l.pid == pid {
+            *l = HttpLease::default();
+        }
+    }
 }
 
 // SAFETY: plain old data (integers and byte arrays), valid at any bit pattern, no pointers that
@@ -161,6 +327,13 @@ fn die_at_next_interrupt_check() {
     }
 }
 
+unsafe extern "C" {
+    /// PostgreSQL's SetLatch called directly: pgrx's binding goes through its error-boundary
+    /// guard (thread checks, sigsetjmp), which must not run in a signal handler.
+    #[link_name = "SetLatch"]
+    fn set_latch_in_signal_handler(latch: *mut pg_sys::Latch);
+}
+
 /// SIGTERM (`pg_terminate_backend`, `pg_ctl stop -m fast`, DROP DATABASE): between steps the
 /// worker's loop sees the flag and stops; inside a tenant's handler the worker dies at once. The
 /// handler pgrx installs only sets a flag, so a handler that caught the cancel of sink_timeout and
@@ -174,7 +347,7 @@ unsafe extern "C-unwind" fn on_sigterm(_signal: std::ffi::c_int) {
         if IN_HANDLER.load(Ordering::SeqCst) {
             die_at_next_interrupt_check();
         }
-        pg_sys::SetLatch(pg_sys::MyLatch);
+        set_latch_in_signal_handler(pg_sys::MyLatch);
         *libc::__errno_location() = errno;
     }
 }
@@ -190,11 +363,42 @@ pub(crate) fn stop_requested() -> bool {
     STOP.load(Ordering::SeqCst)
 }
 
-/// Marks a tenant's handler as running while alive: SIGTERM then ends the worker at once.
+/// The slot of this worker process (usize::MAX in other processes).
+static MY_SLOT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// Marks a tenant's handler as running while alive: SIGTERM then ends the worker at once, and
+/// the worker's slot says what the handler works on (see `InHandler`).
 pub(crate) struct HandlerRunning;
 
 impl HandlerRunning {
-    pub(crate) fn enter() -> HandlerRunning {
+    pub(crate) fn enter(target: Target<'_>) -> HandlerRunning {
+        let slot = MY_SLOT.load(Ordering::Relaxed);
+        let in_worker = slot != usize::MAX;
+        in_worker.then(|| {
+            with_slot(slot, |s| {
+                let mut h = InHandler {
+                    since: now(),
+                    ..InHandler::default()
+                };
+                let name = match target {
+                    Target::Sink { id, neighbour } => {
+                        h.kind = if neighbour { 2 } else { 1 };
+                        id
+                    }
+                    Target::Jobs { subscription, ids } => {
+                        h.kind = 3;
+                        let n = ids.len().min(JOBS_MAX);
+                        h.jobs[..n].copy_from_slice(&ids[..n]);
+                        h.jobs_len = n as u8;
+                        subscription
+                    }
+                };
+                let n = name.len().min(h.name.len());
+                h.name[..n].copy_from_slice(&name.as_bytes()[..n]);
+                h.name_len = n as u8;
+                s.handler = h;
+            })
+        });
         IN_HANDLER.store(true, Ordering::SeqCst);
         if STOP.load(Ordering::SeqCst) {
             die_at_next_interrupt_check();
@@ -206,7 +410,67 @@ impl HandlerRunning {
 impl Drop for HandlerRunning {
     fn drop(&mut self) {
         IN_HANDLER.store(false, Ordering::SeqCst);
+        let slot = MY_SLOT.load(Ordering::Relaxed);
+        if slot != usize::MAX {
+            with_slot(slot, |s| s.handler.kind = 0);
+        }
     }
+}
+
+/// Marks other tenant code (filters in a fan-out pass) as running: SIGTERM ends the worker at
+/// once while it lives.
+pub(crate) struct TenantCode(bool);
+
+impl TenantCode {
+    pub(crate) fn enter() -> TenantCode {
+        let outer = IN_HANDLER.swap(true, Ordering::SeqCst);
+        if STOP.load(Ordering::SeqCst) {
+            die_at_next_interrupt_check();
+        }
+        TenantCode(outer)
+    }
+}
+
+impl Drop for TenantCode {
+    fn drop(&mut self) {
+        IN_HANDLER.store(self.0, Ordering::SeqCst);
+    }
+}
+
+// utils/timeout.h is not among pgrx's bindings: RegisterTimeout and the first user-definable
+// TimeoutId of PostgreSQL 15 (the only version built here).
+const USER_TIMEOUT: i32 = 12;
+
+unsafe extern "C-unwind" {
+    #[link_name = "RegisterTimeout"]
+    fn register_timeout_raw(id: i32, handler: Option<unsafe extern "C-unwind" fn()>) -> i32;
+}
+
+static HARD_TIMEOUT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+/// The hard handler timeout fired: the handler outlived `sink_timeout` (whose cancel it may have
+/// caught) and the grace after it. Called in signal context: flags only.
+unsafe extern "C-unwind" fn on_hard_timeout() {
+    die_at_next_interrupt_check();
+    // SAFETY: SetLatch is async-signal-safe; MyLatch is this process's latch.
+    unsafe { set_latch_in_signal_handler(pg_sys::MyLatch) };
+}
+
+/// The id of the hard handler timeout, registered once per worker process.
+pub(crate) fn hard_timeout_id() -> Option<i32> {
+    let id = HARD_TIMEOUT.load(Ordering::Relaxed);
+    (id >= 0).then_some(id)
+}
+
+fn register_hard_timeout() {
+    // SAFETY: registers a timeout handler in this process, as extensions do from their worker's
+    // main; the id is kept for enable_timeout_after.
+    let id = unsafe {
+        pg_sys::ffi::pg_guard_ffi_boundary(|| {
+            register_timeout_raw(USER_TIMEOUT, Some(on_hard_timeout))
+        })
+    };
+    HARD_TIMEOUT.store(id, Ordering::Relaxed);
 }
 
 fn set_latch(slot: &Slot) {
@@ -278,8 +542,28 @@ fn now() -> i64 {
     unsafe { pg_sys::GetCurrentTimestamp() }
 }
 
-pub(crate) fn slot_started(slot: usize) {
+/// Claims the slot for this process. Returns the handler call that ended the worker that had it
+/// before, if one was running for longer than `sink_timeout` when it ended.
+pub(crate) fn slot_started(slot: usize) -> Option<Hung> {
+    MY_SLOT.store(slot, Ordering::Relaxed);
+    register_hard_timeout();
+    let mut hung = None;
     with_slot(slot, |s| {
+        let h = s.handler;
+        let ran_ms = (now() - h.since) / 1000;
+        if h.kind != 0 && ran_ms >= settings::SINK_TIMEOUT_MS.get() as i64 {
+            let name = String::from_utf8_lossy(&h.name[..h.name_len as usize]).into_owned();
+            hung = Some(match h.kind {
+                3 => Hung::Jobs {
+                    subscription: name,
+                    ids: h.jobs[..h.jobs_len as usize].to_vec(),
+                },
+                kind => Hung::Sink {
+                    id: name,
+                    neighbour: kind == 2,
+                },
+            });
+        }
         *s = Slot::default();
         // SAFETY: MyProc and MyProcPid are set for a connected worker.
         unsafe {
@@ -288,7 +572,8 @@ pub(crate) fn slot_started(slot: usize) {
             s.database = pg_sys::MyDatabaseId.to_u32();
         }
         s.started_at = now();
-    })
+    });
+    hung
 }
 
 pub(crate) fn slot_busy(slot: usize, busy: bool) {

@@ -49,9 +49,14 @@ struct Worker {
     contention_backoff: Duration,
     /// HTTP clients by sink, kept for keep-alive connections.
     agents: dispatch::http::Agents,
-    /// SIGTERM was seen.
+    /// SIGTERM was seen (or the worker wants to start afresh).
     stop: bool,
+    /// How many settings the backend had once the worker was set up.
+    settings_at_start: i32,
 }
+
+/// Custom settings handlers may leave in the worker before it restarts to drop them.
+const SETTINGS_GROWTH_MAX: i32 = 2_000;
 
 #[pg_guard]
 #[unsafe(no_mangle)]
@@ -66,13 +71,31 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
     });
     let database = settings::database();
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
-    slot_started(slot);
+    let hung = slot_started(slot);
     // Before any statement of the worker's own: see crate::isolation.
     if let Err(e) = in_transaction(crate::isolation::pin_worker_settings) {
         pgrx::warning!("pg_outbox worker {slot}: cannot pin its settings, restarting: {e}");
         slot_stopped(slot);
         // SAFETY: ends this process; exit code 1 asks the postmaster to start the worker again.
         unsafe { pg_sys::proc_exit(1) };
+    }
+    // The worker this one replaces was ended inside a handler that would not stop: count it.
+    if let Some(hung) = hung {
+        pgrx::log!(
+            "pg_outbox worker {slot}: the worker before it was ended in a handler: {hung:?}"
+        );
+        let recovered = match &hung {
+            super::Hung::Sink { id, neighbour } => {
+                in_transaction(|| crate::dispatch::after_hang(id, *neighbour))
+            }
+            super::Hung::Jobs { subscription, ids } => {
+                crate::dispatch::jobs::after_hang(subscription, ids);
+                Ok(())
+            }
+        };
+        if let Err(e) = recovered {
+            pgrx::warning!("pg_outbox worker {slot}: recording the ended handler call: {e}");
+        }
     }
     let mut worker = Worker {
         slot,
@@ -83,6 +106,8 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         contention_backoff: Duration::ZERO,
         agents: Default::default(),
         stop: false,
+        // SAFETY: reads the size of this backend's settings table.
+        settings_at_start: unsafe { pg_sys::GetNumConfigOptions() },
     };
     worker.run();
     slot_stopped(slot);
@@ -130,6 +155,20 @@ impl Worker {
         }
         // Each handler's settings are undone when it returns (crate::isolation); should one ever
         // leak anyway, it is put back before the worker runs a statement of its own.
+        // Handlers may create custom settings (set_config('x.y', ...)); they are undone, but
+        // PostgreSQL keeps their names, and every transaction end walks them all. Past a few
+        // thousand, start afresh.
+        // SAFETY: reads the size of this backend's settings table.
+        let settings_now = unsafe { pg_sys::GetNumConfigOptions() };
+        if settings_now > self.settings_at_start.saturating_add(SETTINGS_GROWTH_MAX) {
+            pgrx::log!(
+                "pg_outbox worker {}: handlers created {} custom settings; restarting to drop them",
+                self.slot,
+                settings_now - self.settings_at_start
+            );
+            self.stop = true;
+            return Duration::ZERO;
+        }
         let drifted = crate::isolation::drifted();
         if !drifted.is_empty() {
             self.failed(&format!(

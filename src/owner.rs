@@ -93,3 +93,53 @@ pub fn as_owner<R>(f: impl FnOnce() -> R) -> R {
     };
     f()
 }
+
+/// Whether `role` still exists (a role can be dropped while it owns sinks in another database).
+pub fn role_exists(role: pg_sys::Oid) -> bool {
+    // SAFETY: a syscache existence probe by oid.
+    unsafe {
+        pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::AUTHOID as i32,
+            pg_sys::Datum::from(role),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
+    }
+}
+
+/// DROP ROLE of a role that owns consumers (sinks, subscriptions, pull consumers) or schedules in
+/// this database is refused, as PostgreSQL refuses to drop a role that owns objects: a sink whose
+/// owner is gone can run nothing (its handler runs as that owner) and would hold the log for
+/// ever. Called from the object-access hook, in the dropping session. (Another database's
+/// consumers cannot be seen from here: the workers pause those when they meet them.)
+pub fn refuse_drop_of_owner(role: pg_sys::Oid) {
+    // SAFETY: catalog lookups by name in the current database.
+    let installed = unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
+        nsp != pg_sys::InvalidOid
+            && pg_sys::get_relname_relid(c"consumers".as_ptr(), nsp) != pg_sys::InvalidOid
+            && pg_sys::get_relname_relid(c"schedules".as_ptr(), nsp) != pg_sys::InvalidOid
+    };
+    if !installed {
+        return;
+    }
+    let owned = as_owner(|| {
+        crate::query::one::<String>(
+            "SELECT pg_catalog.string_agg(n, ', ' ORDER BY n) FROM ( \
+                 SELECT c.kind || ' \"' || c.name || '\"' AS n FROM outbox.consumers c WHERE c.owner = $1 \
+                 UNION ALL \
+                 SELECT 'schedule \"' || s.name || '\"' FROM outbox.schedules s WHERE s.owner = $1) o",
+            &[pgrx::datum::DatumWithOid::from(role)],
+        )
+    });
+    if let Some(owned) = owned {
+        pgrx::pg_sys::panic::ErrorReport::new(
+            pgrx::PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
+            format!("role cannot be dropped because it owns pg_outbox objects in this database: {owned}"),
+            "pg_outbox",
+        )
+        .set_hint("drop them first (outbox.drop_sink, outbox.unsubscribe, outbox.drop_consumer, outbox.unschedule)")
+        .report(pgrx::PgLogLevel::ERROR);
+    }
+}

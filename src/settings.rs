@@ -60,6 +60,10 @@ pub static HTTP_CONNECT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(3_0
 /// The default whole-request timeout of an HTTP sink (create_http_sink can set its own).
 pub static HTTP_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 
+/// The longest any HTTP sink's request may take, whatever its own timeout_ms says: a tenant's
+/// endpoint that accepts and never answers holds a lease (and a thread) that long.
+pub static HTTP_MAX_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
+
 /// Bytes of a response body read (and discarded) at most: a webhook answers with a status.
 pub static HTTP_MAX_RESPONSE_BYTES: GucSetting<i32> = GucSetting::<i32>::new(65_536);
 
@@ -219,6 +223,16 @@ pub fn init(preloading: bool) {
         64 * 1024 * 1024,
         GucContext::Suset,
         GucFlags::UNIT_BYTE,
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.http_max_timeout",
+        c"Longest any HTTP sink's request may take (caps each sink's timeout_ms).",
+        c"",
+        &HTTP_MAX_TIMEOUT_MS,
+        100,
+        600_000,
+        GucContext::Suset,
+        GucFlags::UNIT_MS,
     );
     GucRegistry::define_int_guc(
         c"pg_outbox.http_max_response",

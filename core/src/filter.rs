@@ -374,6 +374,14 @@ fn json_weight(v: &serde_json::Value, values: &mut usize, bytes: &mut usize) {
 }
 
 impl EventContext<'_> {
+    /// An event whose payload or headers could not be read (`why`): filters that read either
+    /// fail on it with that reason, the others run.
+    pub fn unreadable(event: &EventFields<'_>, why: String) -> EventContext<'static> {
+        let mut context = EventContext::new(event);
+        context.1 = Some(why);
+        context
+    }
+
     pub fn new(event: &EventFields<'_>) -> EventContext<'static> {
         // Env::stdlib() is built once per thread: Context::default() would build it per event,
         // which cost 18 µs of the 19 an event took.

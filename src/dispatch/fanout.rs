@@ -273,14 +273,20 @@ fn fan_out(
                         let payload = json(row.get::<String>(5).unwrap());
                         let headers = json(row.get::<String>(6).unwrap());
                         let raised_at: String = row.get(7).unwrap().unwrap_or_default();
-                        EventContext::new(&EventFields {
+                        let unreadable = payload.as_ref().err().or(headers.as_ref().err());
+                        let fields = EventFields {
                             topic: &topic,
                             subject: subject.as_deref(),
                             tenant: tenant.as_deref(),
-                            payload: &payload,
-                            headers: &headers,
+                            payload: payload.as_ref().unwrap_or(&serde_json::Value::Null),
+                            headers: headers.as_ref().unwrap_or(&serde_json::Value::Null),
                             raised_at: &raised_at,
-                        })
+                        };
+                        match unreadable {
+                            // Never handed over as null: a filter that reads it fails instead.
+                            Some(why) => EventContext::unreadable(&fields, why.clone()),
+                            None => EventContext::new(&fields),
+                        }
                     });
                     let verdict = filter.matches_in(context);
                     if pg_outbox_core::budget::interrupted() {
@@ -368,9 +374,14 @@ fn fan_out(
     Some((matched, count >= WINDOW as usize))
 }
 
-fn json(text: Option<String>) -> serde_json::Value {
-    text.and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or(serde_json::Value::Null)
+/// An event's payload or headers as JSON for filters; an error when the parser refuses it (its
+/// recursion limit is 128 levels, and PostgreSQL's jsonb allows deeper).
+fn json(text: Option<String>) -> Result<serde_json::Value, String> {
+    match text {
+        None => Ok(serde_json::Value::Null),
+        Some(t) => serde_json::from_str(&t)
+            .map_err(|e| format!("the event's JSON cannot be read by filters: {e}")),
+    }
 }
 
 /// The subscriptions that are not paused (name, has a handler), rotated so that workers start

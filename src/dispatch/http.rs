@@ -80,7 +80,7 @@ fn lease_and_read(id: &str) -> Prepared {
         crate::transaction::refresh_snapshot();
         let rows = client.select(
             "SELECT s.batch_size, s.current_batch, s.attempts, c.txid::text, c.seq, \
-                    h.url, h.headers::text, h.secret, h.timeout_ms, c.rewinds, s.transient \
+                    h.url, h.headers::text, h.secret, h.timeout_ms, c.rewinds, s.transient, c.owner \
                FROM outbox.sinks s JOIN outbox.consumers c ON c.name = s.id \
                JOIN outbox.http_sinks h ON h.id = s.id \
               WHERE s.id = $1 AND NOT s.paused \
@@ -94,6 +94,12 @@ fn lease_and_read(id: &str) -> Prepared {
             return Ok(Prepared::Absent);
         }
         let r = rows.first();
+        let owner: pg_sys::Oid = r.get(12)?.expect("owner");
+        if !crate::owner::role_exists(owner) {
+            super::pause_orphan(id, owner)?;
+            unlock(lease_key);
+            return Ok(Prepared::Absent);
+        }
         let txid: String = r.get(4)?.expect("txid");
         let headers: String = r.get(7)?.expect("headers");
         let headers: serde_json::Map<String, serde_json::Value> =
@@ -115,7 +121,11 @@ fn lease_and_read(id: &str) -> Prepared {
                 .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_string()))
                 .collect(),
             secret: r.get(8)?,
-            timeout_ms: r.get(9)?.expect("timeout_ms"),
+            // Capped by the superuser's setting, whatever the sink asked for.
+            timeout_ms: r
+                .get::<i32>(9)?
+                .expect("timeout_ms")
+                .min(settings::HTTP_MAX_TIMEOUT_MS.get()),
         };
         let replay = client.select(
             "SELECT d.txid::text, d.seq, pg_catalog.jsonb_build_array(outbox._cloudevent(d.event))::text, \
@@ -411,9 +421,13 @@ fn failure(reason: &str) -> Failure {
     }
 }
 
-/// Agents by sink and configuration, kept between passes for keep-alive connections.
+/// Agents by sink and configuration, kept between passes for keep-alive connections, and dropped
+/// (with their connections) once unused for `AGENT_IDLE`: a dropped sink's, or one whose
+/// configuration changed.
 #[derive(Default)]
-pub struct Agents(HashMap<String, ureq::Agent>);
+pub struct Agents(HashMap<String, (ureq::Agent, std::time::Instant)>);
+
+const AGENT_IDLE: Duration = Duration::from_secs(120);
 
 impl Agents {
     fn get(&mut self, sink: &Sink) -> ureq::Agent {
@@ -425,10 +439,23 @@ impl Agents {
             allow,
             settings::HTTP_CONNECT_TIMEOUT_MS.get()
         );
+        self.expire();
+        let now = std::time::Instant::now();
+        let entry = self.0.entry(key).or_insert_with(|| {
+            (
+                agent(Duration::from_millis(sink.timeout_ms as u64), allow),
+                now,
+            )
+        });
+        entry.1 = now;
+        entry.0.clone()
+    }
+
+    /// Drops the agents unused for a while (called every round, so that idle ones go too).
+    pub fn expire(&mut self) {
+        let now = std::time::Instant::now();
         self.0
-            .entry(key)
-            .or_insert_with(|| agent(Duration::from_millis(sink.timeout_ms as u64), allow))
-            .clone()
+            .retain(|_, (_, used)| now.duration_since(*used) < AGENT_IDLE);
     }
 }
 

@@ -208,6 +208,26 @@ fn handler_of(client: &SpiClient<'_>, subscription: &str) -> Option<(String, pg_
             row.get::<pg_sys::Oid>(2).unwrap().expect("owner"),
         ));
     }
+    if let Some((_, owner)) = found {
+        if !crate::owner::role_exists(owner) {
+            // Dropped from another database: its handler can run as nobody. Paused, once.
+            let why = format!(
+                "paused: its owner (role {}) no longer exists; unsubscribe it",
+                owner.to_u32()
+            );
+            pgrx::warning!("pg_outbox: subscription \"{subscription}\" {why}");
+            Spi::run_with_args(
+                "UPDATE outbox.subscriptions SET paused = true, last_predicate_error = $2, \
+                        last_predicate_error_at = pg_catalog.now() WHERE name = $1",
+                &[
+                    DatumWithOid::from(subscription),
+                    DatumWithOid::from(why.as_str()),
+                ],
+            )
+            .expect("pausing a subscription");
+            return None;
+        }
+    }
     found
 }
 

@@ -244,7 +244,29 @@ fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
             event_array_type: r.get(10)?.expect("type oid"),
         });
     }
+    if let Some(sink) = &found {
+        if !crate::owner::role_exists(sink.owner) {
+            pause_orphan(&sink.id, sink.owner)?;
+            return Ok(Leased::Absent);
+        }
+    }
     Ok(found.map_or(Leased::Absent, Leased::Sink))
+}
+
+/// A sink whose owner was dropped (from another database, where pg_outbox could not refuse it)
+/// can run nothing as that owner: it is paused, once, with the reason in its status. It keeps its
+/// cursor, and so holds the log, until an operator drops it.
+pub(crate) fn pause_orphan(id: &str, owner: pg_sys::Oid) -> Result<(), pgrx::spi::Error> {
+    let why = format!(
+        "paused: its owner (role {}) no longer exists; drop the sink",
+        owner.to_u32()
+    );
+    pgrx::warning!("pg_outbox: sink \"{id}\" {why}");
+    Spi::run_with_args(
+        "UPDATE outbox.sinks SET paused = true, last_error = $2, last_sqlstate = '42704', \
+                last_error_at = pg_catalog.now() WHERE id = $1",
+        &[DatumWithOid::from(id), DatumWithOid::from(why.as_str())],
+    )
 }
 
 /// A window of the log after the cursor: how many events, the last position, and the events the

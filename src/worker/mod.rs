@@ -290,6 +290,10 @@ unsafe extern "C-unwind" fn on_object_access(
             prev(access, class_id, object_id, sub_id, arg);
         }
     }
+    if access == pg_sys::ObjectAccessType::OAT_DROP && class_id == pg_sys::AuthIdRelationId {
+        crate::owner::refuse_drop_of_owner(object_id);
+        return;
+    }
     if access != pg_sys::ObjectAccessType::OAT_DROP || class_id != pg_sys::DatabaseRelationId {
         return;
     }

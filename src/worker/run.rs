@@ -49,6 +49,10 @@ struct Worker {
     contention_backoff: Duration,
     /// HTTP clients by sink, kept for keep-alive connections.
     agents: dispatch::http::Agents,
+    /// HTTP requests on their way. They outlive a round: the loop never waits for an endpoint
+    /// (a tenant's endpoint that never answered once held every schedule, fan-out and SQL sink
+    /// of the worker for its whole timeout).
+    in_flight: Vec<dispatch::http::InFlight>,
     /// SIGTERM was seen (or the worker wants to start afresh).
     stop: bool,
     /// How many settings the backend had once the worker was set up.
@@ -105,6 +109,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         waiting_backoff: Duration::ZERO,
         contention_backoff: Duration::ZERO,
         agents: Default::default(),
+        in_flight: Vec::new(),
         stop: false,
         // SAFETY: reads the size of this backend's settings table.
         settings_at_start: unsafe { pg_sys::GetNumConfigOptions() },
@@ -124,6 +129,7 @@ impl Worker {
         );
         loop {
             if self.stopping() {
+                self.abandon_flights();
                 return;
             }
             if BackgroundWorker::sighup_received() {
@@ -141,7 +147,8 @@ impl Worker {
             slot_busy(self.slot, true);
             let timeout = self.step();
             slot_busy(self.slot, false);
-            if !wait(timeout) {
+            if !self.wait(timeout) {
+                self.abandon_flights();
                 return;
             }
         }
@@ -230,16 +237,20 @@ impl Worker {
         let sinks = sinks.expect("due sinks are read when the SQL is ready");
         let consumers = sinks.count + subscriptions.len();
         super::set_has_sinks(consumers > 0);
-        let mut in_flight = Vec::new();
         let mut results = Vec::new();
+        self.finished_flights(&mut results);
         for (sink, is_http) in sinks.due {
             if self.stopping() {
                 break;
             }
             let result = if is_http {
+                // Its request from an earlier round is still on its way.
+                if self.in_flight.iter().any(|f| f.sink_id() == sink) {
+                    continue;
+                }
                 match dispatch::http::start(&sink, &mut self.agents) {
                     Ok(dispatch::http::Started::InFlight(flight)) => {
-                        in_flight.push(flight);
+                        self.in_flight.push(*flight);
                         continue;
                     }
                     Ok(dispatch::http::Started::Done(result)) => Ok(result),
@@ -250,30 +261,10 @@ impl Worker {
             };
             results.push((sink, result));
         }
-        // The HTTP requests flew while the SQL sinks were served; record each as it completes, so a
-        // slow endpoint does not hold up the others' results. Stopping: give the leases back.
-        while !in_flight.is_empty() {
-            if self.stopping() {
-                in_flight
-                    .drain(..)
-                    .for_each(|f| dispatch::http::abandon(*f));
-                break;
-            }
-            // The last one (the usual case) is simply waited for; among several, the first done.
-            let done = if in_flight.len() == 1 {
-                Some(0)
-            } else {
-                in_flight.iter().position(|f| f.is_finished())
-            };
-            match done {
-                Some(i) => {
-                    let flight = in_flight.swap_remove(i);
-                    let sink = flight.sink_id().to_string();
-                    results.push((sink, dispatch::http::finish(*flight, &mut self.agents)));
-                }
-                None => std::thread::sleep(Duration::from_micros(200)),
-            }
-        }
+        // The HTTP requests fly while the SQL sinks are served; those done by now are recorded,
+        // the others in a later round (the wait between rounds ends when one lands).
+        self.finished_flights(&mut results);
+        self.agents.expire();
         for (sink, result) in results {
             match result {
                 Ok(PassResult::Delivered { events, full }) => {
@@ -412,6 +403,42 @@ impl Worker {
         (more, next)
     }
 
+    /// Records the HTTP requests that have landed.
+    fn finished_flights(
+        &mut self,
+        results: &mut Vec<(String, Result<PassResult, crate::transaction::Failure>)>,
+    ) {
+        while let Some(i) = self.in_flight.iter().position(|f| f.is_finished()) {
+            let flight = self.in_flight.swap_remove(i);
+            let sink = flight.sink_id().to_string();
+            results.push((sink, dispatch::http::finish(flight, &mut self.agents)));
+        }
+    }
+
+    /// Stopping: the requests in flight are left to themselves and their leases given back; the
+    /// cursors did not move, so those batches go out again (with the same idempotency keys).
+    fn abandon_flights(&mut self) {
+        self.in_flight.drain(..).for_each(dispatch::http::abandon);
+    }
+
+    /// Waits for the latch, the timeout, or (while requests fly) the first of them to land.
+    fn wait(&self, timeout: Duration) -> bool {
+        if self.in_flight.is_empty() || timeout.is_zero() {
+            return wait(timeout);
+        }
+        let start = Instant::now();
+        loop {
+            let left = timeout.saturating_sub(start.elapsed());
+            let (alive, latched) = wait_once(left.min(FLIGHT_POLL));
+            if !alive {
+                return false;
+            }
+            if latched || left <= FLIGHT_POLL || self.in_flight.iter().any(|f| f.is_finished()) {
+                return true;
+            }
+        }
+    }
+
     /// True once SIGTERM has arrived (and from then on).
     fn stopping(&mut self) -> bool {
         self.stop |= super::stop_requested();
@@ -435,6 +462,29 @@ impl Worker {
         pgrx::warning!("pg_outbox worker {}: {error}", self.slot);
         slot_failure(self.slot, error);
     }
+}
+
+/// How often a worker whose requests fly looks whether one has landed.
+const FLIGHT_POLL: Duration = Duration::from_millis(2);
+
+/// Waits for the latch or the timeout. (alive: the postmaster lives; latched: the latch was set.)
+fn wait_once(timeout: Duration) -> (bool, bool) {
+    // SAFETY: the standard latch wait of a background worker.
+    let rc = unsafe {
+        let rc = pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_POSTMASTER_DEATH) as i32,
+            timeout.as_millis().clamp(1, i32::MAX as u128) as std::ffi::c_long,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+        rc
+    };
+    pg_sys::check_for_interrupts!();
+    (
+        rc & pg_sys::WL_POSTMASTER_DEATH as i32 == 0,
+        rc & pg_sys::WL_LATCH_SET as i32 != 0,
+    )
 }
 
 /// Waits for the latch or the timeout. False when the postmaster died.

@@ -1005,3 +1005,226 @@ fn a_handler_that_releases_every_advisory_lock_cannot_free_an_http_lease() {
     unique.dedup();
     assert_eq!(ids.len(), unique.len(), "a batch was sent twice: {ids:?}");
 }
+
+/// HTTP settings for a loopback receiver, put back when the test ends.
+struct LoopbackHttp<'a>(&'a TestDb);
+
+impl<'a> LoopbackHttp<'a> {
+    fn on(db: &'a TestDb) -> Self {
+        db.cluster().set("pg_outbox.http_allow_plain", "on");
+        db.cluster().set("pg_outbox.http_allow_private", "on");
+        LoopbackHttp(db)
+    }
+}
+
+impl Drop for LoopbackHttp<'_> {
+    fn drop(&mut self) {
+        self.0.cluster().set("pg_outbox.http_allow_plain", "off");
+        self.0.cluster().set("pg_outbox.http_allow_private", "off");
+        self.0.cluster().set("pg_outbox.http_max_timeout", "30s");
+    }
+}
+
+#[test]
+fn endpoints_that_never_answer_do_not_hold_the_workers() {
+    use pg_outbox_tests::http_server::Receiver;
+    let db = worker_db("sec_silent_endpoints");
+    let _http = LoopbackHttp::on(&db);
+    let mut su = db.connect();
+    let mut shipping = tenant(&db, "shipping", &[SINK_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    // Accepts, reads the request, and answers only after 20 s.
+    let silent = Receiver::start(|_, _| {
+        std::thread::sleep(Duration::from_secs(20));
+        (200, vec![])
+    });
+    for hook in ["silent_a", "silent_b"] {
+        su.execute(
+            "SELECT outbox.create_http_sink($1, $2, topics => ARRAY['h'], timeout_ms => 25000)",
+            &[&hook, &silent.url("/in")],
+        )
+        .unwrap();
+    }
+    shipping
+        .batch_execute(
+            "CREATE TABLE shipping.got (at timestamptz DEFAULT clock_timestamp(), raised timestamptz);
+             CREATE FUNCTION shipping.h(e outbox.event[]) RETURNS void LANGUAGE sql AS
+               $$ INSERT INTO shipping.got (raised) SELECT x.raised_at FROM unnest(e) x $$;
+             SELECT outbox.create_sink('sql', 'shipping.h(outbox.event[])', topics => ARRAY['s']);",
+        )
+        .unwrap();
+    app.batch_execute("SELECT outbox.raise('h')").unwrap();
+    // Both workers have a request to the silent endpoint on its way.
+    eventually("two requests in flight", Duration::from_secs(10), || {
+        (silent.received().len() >= 2).then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..5 {
+        app.batch_execute("SELECT outbox.raise('s')").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eventually(
+        "the SQL sink to deliver while the requests fly",
+        Duration::from_secs(10),
+        || (count(&mut su, "SELECT count(*) FROM shipping.got") == 5).then_some(()),
+    );
+    let worst: f64 = su
+        .query_one(
+            "SELECT max(extract(epoch FROM at - raised))::float8 FROM shipping.got",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        worst < 2.0,
+        "an event waited {worst} s behind a silent endpoint"
+    );
+}
+
+#[test]
+fn a_superuser_setting_caps_every_http_sinks_timeout() {
+    use pg_outbox_tests::http_server::Receiver;
+    let db = worker_db("sec_http_cap");
+    let _http = LoopbackHttp::on(&db);
+    db.cluster().set("pg_outbox.http_max_timeout", "1s");
+    let mut su = db.connect();
+    let silent = Receiver::start(|_, _| {
+        std::thread::sleep(Duration::from_secs(30));
+        (200, vec![])
+    });
+    su.execute(
+        "SELECT outbox.create_http_sink('slow', $1, timeout_ms => 600000)",
+        &[&silent.url("/in")],
+    )
+    .unwrap();
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    app.batch_execute("SELECT outbox.raise('h')").unwrap();
+    let error: String = eventually("the request to time out", Duration::from_secs(15), || {
+        su.query_one(
+            "SELECT last_error FROM outbox.status() WHERE name = 'slow'",
+            &[],
+        )
+        .unwrap()
+        .get::<_, Option<String>>(0)
+    });
+    assert!(error.contains("timed out"), "{error}");
+    let mut tenant_c = db.connect_as("app");
+    assert_eq!(
+        sqlstate(&mut tenant_c, "SET pg_outbox.http_max_timeout = '10min'"),
+        "42501"
+    );
+}
+
+#[test]
+fn a_payload_too_deep_for_filters_is_a_predicate_error_not_a_null() {
+    let db = worker_db("sec_deep_payload");
+    let mut su = db.connect();
+    let mut loyalty = tenant(&db, "loyalty", &[SUBSCRIBER_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    loyalty
+        .batch_execute(
+            "CREATE TABLE loyalty.got (sub text);
+             CREATE FUNCTION loyalty.h(e outbox.event) RETURNS void LANGUAGE sql AS
+               $$ INSERT INTO loyalty.got VALUES (e.topic) $$;
+             SELECT outbox.subscribe('reads_payload', ARRAY['#'], 'loyalty.h(outbox.event)',
+                                     filter => '!has(payload.zzz)');
+             SELECT outbox.subscribe('reads_topic', ARRAY['#'], 'loyalty.h(outbox.event)',
+                                     filter => 'topic == \"deep\"');",
+        )
+        .unwrap();
+    // 200 levels: jsonb takes it, the filters' JSON reader stops at 128.
+    app.batch_execute(
+        "SELECT outbox.raise('deep', (repeat('{\"a\":', 200) || '1' || repeat('}', 200))::jsonb)",
+    )
+    .unwrap();
+    eventually(
+        "the topic filter's job to run",
+        Duration::from_secs(20),
+        || (count(&mut su, "SELECT count(*) FROM loyalty.got") == 1).then_some(()),
+    );
+    let (errors, last): (i64, String) = eventually(
+        "the payload filter's error",
+        Duration::from_secs(10),
+        || {
+            let r = su
+            .query_one(
+                "SELECT predicate_errors::int8, coalesce(last_error, '') FROM outbox.status() WHERE name = 'reads_payload'",
+                &[],
+            )
+            .unwrap();
+            let errors: i64 = r.get(0);
+            (errors == 1).then(|| (errors, r.get(1)))
+        },
+    );
+    assert_eq!(errors, 1);
+    assert!(last.contains("cannot be read by filters"), "{last}");
+}
+
+#[test]
+fn the_owner_of_a_sink_cannot_be_dropped_and_an_orphan_is_paused() {
+    let db = worker_db("sec_drop_owner");
+    let mut su = db.connect();
+    // Members of a team with the README's grants: no object of PostgreSQL's depends on them, so
+    // only pg_outbox stands between DROP ROLE and a sink left without an owner.
+    su.batch_execute(&format!(
+        "DO $$ BEGIN CREATE ROLE team; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+         {}
+         GRANT CONNECT ON DATABASE \"{}\" TO team;
+         CREATE ROLE member_a LOGIN IN ROLE team; CREATE ROLE member_b LOGIN IN ROLE team;
+         CREATE TABLE public.got (n int); GRANT INSERT ON public.got TO team;
+         CREATE FUNCTION public.h(e outbox.event[]) RETURNS void LANGUAGE sql AS
+           $$ INSERT INTO public.got SELECT 1 FROM unnest(e) $$;
+         GRANT EXECUTE ON FUNCTION public.h(outbox.event[]) TO team;",
+        SINK_GRANTS.replace("{r}", "team"),
+        db.name
+    ))
+    .unwrap();
+    for member in ["member_a", "member_b"] {
+        db.connect_as(member)
+            .execute(
+                "SELECT outbox.create_sink($1, 'public.h(outbox.event[])')",
+                &[&format!("sink_of_{member}")],
+            )
+            .unwrap();
+    }
+    // Here, where the sinks are: refused, naming them.
+    let e = pg_outbox_tests::error_message(&mut su, "DROP ROLE member_a");
+    assert!(
+        e.contains("pg_outbox") && e.contains("sink_of_member_a"),
+        "{e}"
+    );
+    assert_eq!(sqlstate(&mut su, "DROP ROLE member_a"), "2BP01");
+    // From a database without pg_outbox it cannot be seen: the workers pause the orphan.
+    db.cluster()
+        .connect("postgres", "postgres")
+        .batch_execute("DROP ROLE member_b")
+        .unwrap();
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    app.batch_execute("SELECT outbox.raise('a.b')").unwrap();
+    let (state, error): (String, String) = eventually(
+        "the orphan to be paused",
+        Duration::from_secs(20),
+        || {
+            let r = su
+            .query_one(
+                "SELECT state, coalesce(last_error, '') FROM outbox.status() WHERE name = 'sink_of_member_b'",
+                &[],
+            )
+            .unwrap();
+            let error: String = r.get(1);
+            error
+                .contains("no longer exists")
+                .then(|| (r.get(0), error))
+        },
+    );
+    assert_eq!(state, "paused", "{error}");
+    // The other sink delivers as usual.
+    eventually("the other sink to deliver", Duration::from_secs(20), || {
+        (count(&mut su, "SELECT count(*) FROM public.got") == 1).then_some(())
+    });
+    su.batch_execute(
+        "SELECT outbox.drop_sink('sink_of_member_a'); SELECT outbox.drop_sink('sink_of_member_b');
+         DROP ROLE member_a;",
+    )
+    .unwrap();
+}

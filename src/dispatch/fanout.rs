@@ -56,7 +56,17 @@ struct Subscription {
     queue: String,
     max_attempts: i32,
     verdicts: Verdicts,
+    /// Time its filter took in this pass.
+    spent: std::time::Duration,
+    /// The last event it was evaluated on, once its filter used up its time for this pass: its
+    /// cursor moves only that far, and the rest of the window waits for its next pass.
+    stopped_at: Option<String>,
 }
+
+/// The time one subscription's filter may take in one pass. Every subscription at the same cursor
+/// shares the pass: without this, a filter that runs to its per-event budget on every event held
+/// the others for up to a thousand times that.
+const PASS_FILTER_BUDGET: std::time::Duration = std::time::Duration::from_millis(500);
 
 impl Subscription {
     fn wants_topic(&self, topic: &str) -> bool {
@@ -127,6 +137,8 @@ fn lease(client: &SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool) {
             max_attempts: r.get(8).unwrap().expect("max_attempts"),
             name,
             verdicts: Verdicts::default(),
+            spent: std::time::Duration::ZERO,
+            stopped_at: None,
         });
     }
     (subs, contended)
@@ -260,7 +272,7 @@ fn fan_out(
         // Converted once, for every filter that looks at this event, and only if one does.
         let mut context: Option<EventContext<'static>> = None;
         for sub in group.iter_mut() {
-            if !sub.wants_topic(&topic) {
+            if sub.stopped_at.is_some() || !sub.wants_topic(&topic) {
                 continue;
             }
             let verdict = match &sub.filter {
@@ -288,9 +300,14 @@ fn fan_out(
                             None => EventContext::new(&fields),
                         }
                     });
+                    let started = std::time::Instant::now();
                     let verdict = filter.matches_in(context);
                     if pg_outbox_core::budget::interrupted() {
                         pg_sys::check_for_interrupts!();
+                    }
+                    sub.spent += started.elapsed();
+                    if sub.spent > PASS_FILTER_BUDGET {
+                        sub.stopped_at = Some(position.clone());
                     }
                     verdict
                 }
@@ -333,8 +350,17 @@ fn fan_out(
             )
             .expect("writing jobs");
     }
+    let mut stopped = false;
     for sub in group.iter() {
-        cursor::save(&sub.name, last);
+        match &sub.stopped_at {
+            Some(at) => {
+                stopped = true;
+                cursor::save(&sub.name, at.parse().expect("positions are well-formed"));
+            }
+            None => {
+                cursor::save(&sub.name, last);
+            }
+        }
         if let Some(e) = &sub.verdicts.last_error {
             pgrx::warning!(
                 "pg_outbox: the filter of subscription \"{}\" failed on {} event(s), counted as false; last: {e}",
@@ -371,7 +397,8 @@ fn fan_out(
             ],
         )
         .expect("counting fan-out");
-    Some((matched, count >= WINDOW as usize))
+    // A subscription stopped short has more to read: come back at once.
+    Some((matched, stopped || count >= WINDOW as usize))
 }
 
 /// An event's payload or headers as JSON for filters; an error when the parser refuses it (its

@@ -1228,3 +1228,47 @@ fn the_owner_of_a_sink_cannot_be_dropped_and_an_orphan_is_paused() {
     )
     .unwrap();
 }
+
+#[test]
+fn a_slow_filter_does_not_hold_the_subscriptions_beside_it() {
+    let db = worker_db("sec_slow_filter_pass");
+    let mut su = db.connect();
+    let mut loyalty = tenant(&db, "loyalty", &[SUBSCRIBER_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    loyalty
+        .batch_execute(
+            "CREATE TABLE loyalty.got (at timestamptz DEFAULT clock_timestamp(), raised timestamptz);
+             CREATE FUNCTION loyalty.h(e outbox.event) RETURNS void LANGUAGE sql AS
+               $$ INSERT INTO loyalty.got (raised) VALUES (e.raised_at) $$;
+             SELECT outbox.subscribe('slow', ARRAY['#'], 'loyalty.h(outbox.event)',
+                                     filter => 'payload.items.all(a, !(-1 in payload.items))');
+             SELECT outbox.subscribe('fine', ARRAY['#'], 'loyalty.h(outbox.event)');",
+        )
+        .unwrap();
+    // Each event costs the slow filter its whole per-event budget (a scan per element).
+    app.batch_execute(
+        "SELECT outbox.raise_many(ARRAY['a.b'],
+           array_fill(jsonb_build_object('items', (SELECT jsonb_agg(i) FROM generate_series(1, 50000) i)), ARRAY[20]))",
+    )
+    .unwrap();
+    let raised = Instant::now();
+    eventually("the plain subscription's 20 jobs", Duration::from_secs(30), || {
+        (count(&mut su, "SELECT count(*) FROM loyalty.got") == 20).then_some(())
+    });
+    let waited = raised.elapsed();
+    assert!(
+        waited < Duration::from_secs(3),
+        "the plain subscription waited {waited:?} behind a slow filter"
+    );
+    eventually(
+        "the slow filter to get through every event",
+        Duration::from_secs(60),
+        || {
+            (count(
+                &mut su,
+                "SELECT predicate_errors::int8 FROM outbox.status() WHERE name = 'slow'",
+            ) == 20)
+                .then_some(())
+        },
+    );
+}

@@ -41,6 +41,11 @@ pub fn pin_worker_settings() {
 }
 
 fn set(name: &CStr, value: &CStr) {
+    set_config(name, value, pg_sys::GucAction::GUC_ACTION_SET);
+}
+
+/// A session-level assignment (`SET`, or with GUC_ACTION_SAVE what a function's SET clause does).
+fn set_config(name: &CStr, value: &CStr, action: pg_sys::GucAction::Type) {
     // SAFETY: a GUC assignment with valid C strings inside a transaction; a value that does not
     // apply raises an ERROR, which the caller's transaction catches.
     unsafe {
@@ -49,7 +54,7 @@ fn set(name: &CStr, value: &CStr) {
             value.as_ptr(),
             pg_sys::GucContext::PGC_SUSET,
             pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_SET,
+            action,
             true,
             0,
             false,
@@ -91,22 +96,15 @@ pub struct NestLevel(i32);
 impl NestLevel {
     /// Opens a level for a handler call, with the handler's search_path set inside it.
     pub fn for_handler() -> NestLevel {
-        // SAFETY: opens a GUC nest level, as fmgr_security_definer does before calling a function,
-        // and sets search_path inside it as a function's SET clause does (GUC_ACTION_SAVE).
-        unsafe {
-            let level = NestLevel(pg_sys::NewGUCNestLevel());
-            pg_sys::set_config_option(
-                c"search_path".as_ptr(),
-                HANDLER_SEARCH_PATH.as_ptr(),
-                pg_sys::GucContext::PGC_USERSET,
-                pg_sys::GucSource::PGC_S_SESSION,
-                pg_sys::GucAction::GUC_ACTION_SAVE,
-                true,
-                0,
-                false,
-            );
-            level
-        }
+        // SAFETY: opens a GUC nest level, as fmgr_security_definer does before calling a function;
+        // search_path is then set inside it as a function's SET clause does (GUC_ACTION_SAVE).
+        let level = NestLevel(unsafe { pg_sys::NewGUCNestLevel() });
+        set_config(
+            c"search_path",
+            HANDLER_SEARCH_PATH,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+        );
+        level
     }
 }
 

@@ -1252,9 +1252,11 @@ fn a_slow_filter_does_not_hold_the_subscriptions_beside_it() {
     )
     .unwrap();
     let raised = Instant::now();
-    eventually("the plain subscription's 20 jobs", Duration::from_secs(30), || {
-        (count(&mut su, "SELECT count(*) FROM loyalty.got") == 20).then_some(())
-    });
+    eventually(
+        "the plain subscription's 20 jobs",
+        Duration::from_secs(30),
+        || (count(&mut su, "SELECT count(*) FROM loyalty.got") == 20).then_some(()),
+    );
     let waited = raised.elapsed();
     assert!(
         waited < Duration::from_secs(3),

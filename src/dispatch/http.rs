@@ -245,14 +245,21 @@ fn send(agent: ureq::Agent, req: Request, max_response: u64) -> Outcome {
     join(spawn(agent, req, max_response))
 }
 
-fn join(handle: std::thread::JoinHandle<Outcome>) -> Outcome {
-    handle.join().unwrap_or(Outcome::Transient {
+fn join(flying: Flying) -> Outcome {
+    flying.handle.join().unwrap_or(Outcome::Transient {
         retry_after: None,
         reason: "the request thread panicked".into(),
     })
 }
 
-fn spawn(agent: ureq::Agent, req: Request, max_response: u64) -> std::thread::JoinHandle<Outcome> {
+/// A request's thread. `done` is set, and then the worker's latch, as soon as its outcome is
+/// ready: the worker's wait ends at once, and it sees the request as landed.
+struct Flying {
+    handle: std::thread::JoinHandle<Outcome>,
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn spawn(agent: ureq::Agent, req: Request, max_response: u64) -> Flying {
     let work = move || {
         let timestamp = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -320,12 +327,29 @@ fn spawn(agent: ureq::Agent, req: Request, max_response: u64) -> std::thread::Jo
 /// Starts a request's thread with every signal blocked in it: the worker's signal handlers
 /// (SIGTERM, SIGALRM for timeouts, SIGUSR1, ...) touch the backend's state and must run on its
 /// own thread, which a signal sent to the process could otherwise miss.
-fn spawn_without_signals<F: FnOnce() -> Outcome + Send + 'static>(
-    work: F,
-) -> std::thread::JoinHandle<Outcome> {
+fn spawn_without_signals<F: FnOnce() -> Outcome + Send + 'static>(work: F) -> Flying {
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let latch = crate::worker::OwnLatch::current();
+    /// Set when the thread's work is over, however it ended (a panic too: the flight is then
+    /// recorded as a failed request instead of holding its lease for ever).
+    struct Landed(
+        std::sync::Arc<std::sync::atomic::AtomicBool>,
+        crate::worker::OwnLatch,
+    );
+    impl Drop for Landed {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Release);
+            self.1.wake_from_thread();
+        }
+    }
+    let landed = Landed(done.clone(), latch);
+    let work = move || {
+        let _landed = landed;
+        work()
+    };
     // SAFETY: plain signal-mask calls on this thread; the new thread inherits the blocked mask,
     // and this thread's own mask is put back right after.
-    unsafe {
+    let handle = unsafe {
         let mut all: libc::sigset_t = std::mem::zeroed();
         let mut previous: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&mut all);
@@ -333,7 +357,8 @@ fn spawn_without_signals<F: FnOnce() -> Outcome + Send + 'static>(
         let handle = std::thread::spawn(work);
         libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
         handle
-    }
+    };
+    Flying { handle, done }
 }
 
 fn kind_of(e: &ureq::Error) -> String {
@@ -485,7 +510,7 @@ pub struct InFlight {
     sink: Sink,
     window: Window,
     replay: Option<Position>,
-    handle: std::thread::JoinHandle<Outcome>,
+    handle: Flying,
 }
 
 impl InFlight {
@@ -494,7 +519,7 @@ impl InFlight {
     }
 
     pub fn is_finished(&self) -> bool {
-        self.handle.is_finished()
+        self.handle.done.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 

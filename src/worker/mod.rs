@@ -338,6 +338,27 @@ unsafe extern "C" {
     fn set_latch_in_signal_handler(latch: *mut pg_sys::Latch);
 }
 
+/// A worker's own latch, to be set from one of its request threads when the request lands (see
+/// `wake_from_thread`).
+#[derive(Clone, Copy)]
+pub(crate) struct OwnLatch(usize);
+
+impl OwnLatch {
+    pub(crate) fn current() -> OwnLatch {
+        // SAFETY: reads a backend global; the latch lives in this process's PGPROC for its life.
+        OwnLatch(unsafe { pg_sys::MyLatch } as usize)
+    }
+
+    /// Sets the latch from a thread that is not the backend's: the worker's wait ends as soon
+    /// as a request lands. PostgreSQL's SetLatch is made to be called from signal handlers, so
+    /// it touches nothing but the latch and a wakeup of the owning process; pgrx's binding
+    /// would refuse a foreign thread, hence the direct call.
+    pub(crate) fn wake_from_thread(self) {
+        // SAFETY: the pointer was MyLatch of this process, valid for as long as the process.
+        unsafe { set_latch_in_signal_handler(self.0 as *mut pg_sys::Latch) };
+    }
+}
+
 /// SIGTERM (`pg_terminate_backend`, `pg_ctl stop -m fast`, DROP DATABASE): between steps the
 /// worker's loop sees the flag and stops; inside a tenant's handler the worker dies at once. The
 /// handler pgrx installs only sets a flag, so a handler that caught the cancel of sink_timeout and

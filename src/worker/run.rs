@@ -464,8 +464,9 @@ impl Worker {
     }
 }
 
-/// How often a worker whose requests fly looks whether one has landed.
-const FLIGHT_POLL: Duration = Duration::from_millis(2);
+/// How often a worker whose requests fly looks whether one has landed, should the latch a
+/// request's thread sets when it lands (the usual wakeup) ever be missed.
+const FLIGHT_POLL: Duration = Duration::from_millis(50);
 
 /// Waits for the latch or the timeout. (alive: the postmaster lives; latched: the latch was set.)
 fn wait_once(timeout: Duration) -> (bool, bool) {

@@ -428,12 +428,15 @@ impl Worker {
         }
         let start = Instant::now();
         loop {
+            if self.in_flight.iter().any(|f| f.is_finished()) {
+                return true;
+            }
             let left = timeout.saturating_sub(start.elapsed());
             let (alive, latched) = wait_once(left.min(FLIGHT_POLL));
             if !alive {
                 return false;
             }
-            if latched || left <= FLIGHT_POLL || self.in_flight.iter().any(|f| f.is_finished()) {
+            if latched || left <= FLIGHT_POLL {
                 return true;
             }
         }

@@ -440,12 +440,21 @@ pub fn pass(id: &str) -> PassResult {
             Leased::Contended => return Ok(PassResult::Contended),
             Leased::Absent => return Ok(PassResult::Skipped),
         };
-        if let Some(result) = crate::replay::deliver_requested(client, &sink.id, |c, events| deliver(c, &sink, events, false))? {
+        if let Some(result) = crate::replay::deliver_requested(client, &sink.id, |c, events| {
+            deliver(c, &sink, events, false)
+        })? {
             return Ok(result);
         }
         let policy = settings::policy(sink.max_batch);
-        let window = read_window(client, sink.cursor, sink.state.batch.min(sink.max_batch), &sink.topic_regex)?;
-        let Some(last) = window.last else { return Ok(PassResult::Idle) };
+        let window = read_window(
+            client,
+            sink.cursor,
+            sink.state.batch.min(sink.max_batch),
+            &sink.topic_regex,
+        )?;
+        let Some(last) = window.last else {
+            return Ok(PassResult::Idle);
+        };
         let full = window.count as u32 >= sink.state.batch;
         let Some(events) = window.events else {
             // Nothing here for this sink's topics: move past the window.
@@ -455,35 +464,68 @@ pub fn pass(id: &str) -> PassResult {
         match deliver(client, &sink, events, false) {
             Ok(()) => {
                 cursor::save(&sink.id, last);
-                save_state(client, &sink.id, policy.after_success(sink.state), None, false, None, window.matching)?;
-                Ok(PassResult::Delivered { events: window.matching, full })
+                save_state(
+                    client,
+                    &sink.id,
+                    policy.after_success(sink.state),
+                    None,
+                    false,
+                    None,
+                    window.matching,
+                )?;
+                Ok(PassResult::Delivered {
+                    events: window.matching,
+                    full,
+                })
             }
-            Err(failure) => match policy.after_failure(sink.state, window.count as u32) {
-                AfterFailure::Halve(state) => {
-                    save_state(client, &sink.id, state, None, false, Some(&failure), 0)?;
-                    Ok(PassResult::Retry)
-                }
-                AfterFailure::Retry { state, delay } => {
-                    pgrx::warning!(
-                        "pg_outbox: sink \"{}\" failed on event {last} (attempt {}), retrying in {delay:?}: {failure}",
-                        sink.id,
-                        state.attempts
-                    );
-                    save_state(client, &sink.id, state, Some(delay), false, Some(&failure), 0)?;
-                    Ok(PassResult::Failed)
-                }
-                AfterFailure::TestNeighbour(state) => {
-                    pgrx::warning!(
-                        "pg_outbox: sink \"{}\" failed on event {last} (attempt {}), testing its neighbour: {failure}",
-                        sink.id,
-                        state.attempts
-                    );
-                    neighbour_test(client, &sink, state, last, events, failure)
-                }
-            },
+            Err(failure) => failed_batch(client, &sink, window.count, last, events, failure),
         }
     })
     .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
+}
+
+/// A batch of `count` events ending at `last` failed: the failure policy decides (halve, back
+/// off, or test the neighbour and maybe dead-letter), and the sink's state is saved.
+fn failed_batch(
+    client: &mut SpiClient<'_>,
+    sink: &Sink,
+    count: usize,
+    last: Position,
+    events: pg_sys::Datum,
+    failure: Failure,
+) -> Result<PassResult, pgrx::spi::Error> {
+    let policy = settings::policy(sink.max_batch);
+    match policy.after_failure(sink.state, count as u32) {
+        AfterFailure::Halve(state) => {
+            save_state(client, &sink.id, state, None, false, Some(&failure), 0)?;
+            Ok(PassResult::Retry)
+        }
+        AfterFailure::Retry { state, delay } => {
+            pgrx::warning!(
+                "pg_outbox: sink \"{}\" failed on event {last} (attempt {}), retrying in {delay:?}: {failure}",
+                sink.id,
+                state.attempts
+            );
+            save_state(
+                client,
+                &sink.id,
+                state,
+                Some(delay),
+                false,
+                Some(&failure),
+                0,
+            )?;
+            Ok(PassResult::Failed)
+        }
+        AfterFailure::TestNeighbour(state) => {
+            pgrx::warning!(
+                "pg_outbox: sink \"{}\" failed on event {last} (attempt {}), testing its neighbour: {failure}",
+                sink.id,
+                state.attempts
+            );
+            neighbour_test(client, sink, state, last, events, failure)
+        }
+    }
 }
 
 /// The failure a handler call that ended its worker counts as.
@@ -521,8 +563,8 @@ pub fn after_hang(id: &str, neighbour: bool) {
         let (Some(last), Some(events)) = (window.last, window.events) else {
             return Ok(());
         };
-        pgrx::warning!("pg_outbox: sink \"{id}\" failed on a batch ending at {last}: {failure}");
         if neighbour {
+            pgrx::warning!("pg_outbox: sink \"{id}\" is down (its neighbour test hung): {failure}");
             let AfterNeighbour::Down { state, delay } =
                 policy.after_neighbour(sink.state, Some(false))
             else {
@@ -538,23 +580,7 @@ pub fn after_hang(id: &str, neighbour: bool) {
                 0,
             );
         }
-        match policy.after_failure(sink.state, window.count as u32) {
-            AfterFailure::Halve(state) => {
-                save_state(client, &sink.id, state, None, false, Some(&failure), 0)
-            }
-            AfterFailure::Retry { state, delay } => save_state(
-                client,
-                &sink.id,
-                state,
-                Some(delay),
-                false,
-                Some(&failure),
-                0,
-            ),
-            AfterFailure::TestNeighbour(state) => {
-                neighbour_test(client, &sink, state, last, events, failure).map(|_| ())
-            }
-        }
+        failed_batch(client, &sink, window.count, last, events, failure).map(|_| ())
     })
     .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
 }

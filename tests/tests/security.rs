@@ -50,6 +50,51 @@ fn count(c: &mut Client, sql: &str) -> i64 {
     c.query_one(sql, &[]).unwrap().get(0)
 }
 
+/// Cluster settings a test changes, put back to their defaults when it ends: every test of this
+/// file shares one cluster.
+struct Settings<'a> {
+    db: &'a TestDb,
+    changed: Vec<(&'static str, &'static str)>,
+}
+
+impl<'a> Settings<'a> {
+    fn new(db: &'a TestDb) -> Self {
+        Settings {
+            db,
+            changed: Vec::new(),
+        }
+    }
+
+    /// Sets `name` to `value` now, and back to `default` at the end.
+    fn set(mut self, name: &'static str, value: &str, default: &'static str) -> Self {
+        self.db.cluster().set(name, value);
+        self.changed.push((name, default));
+        self
+    }
+
+    /// Plain http to loopback, for the test receiver.
+    fn loopback_http(db: &'a TestDb) -> Self {
+        Settings::new(db)
+            .set("pg_outbox.http_allow_plain", "on", "off")
+            .set("pg_outbox.http_allow_private", "on", "off")
+    }
+
+    /// Handlers that time out after 500 ms, events poisoned after two failures.
+    fn fast_handlers(db: &'a TestDb) -> Self {
+        Settings::new(db)
+            .set("pg_outbox.sink_timeout", "500ms", "30s")
+            .set("pg_outbox.poison_after", "2", "5")
+    }
+}
+
+impl Drop for Settings<'_> {
+    fn drop(&mut self) {
+        for (name, default) in self.changed.iter().rev() {
+            self.db.cluster().set(name, default);
+        }
+    }
+}
+
 /// A trap: operators `=`, `~` on text, `*` (numeric, integer) and `=` on bigint in the tenant's
 /// schema that make the tenant a superuser when called by one, and note every call in
 /// `<role>.calls`. An exact-type match beats pg_catalog's operator wherever the schema is on the
@@ -421,13 +466,7 @@ fn topic_patterns_are_capped_and_cost_bounded() {
 fn special_purpose_addresses_are_refused_and_only_private_ones_can_be_allowed() {
     let db = worker_db("sec_ssrf");
     let mut su = db.connect();
-    struct Reset<'a>(&'a TestDb);
-    impl Drop for Reset<'_> {
-        fn drop(&mut self) {
-            self.0.cluster().set("pg_outbox.http_allow_private", "off");
-        }
-    }
-    let _reset = Reset(&db);
+    let settings = Settings::new(&db);
     let create = |c: &mut Client, url: &str| -> Result<(), String> {
         c.execute("SELECT outbox.create_http_sink('h', $1)", &[&url])
             .map(|_| ())
@@ -463,7 +502,7 @@ fn special_purpose_addresses_are_refused_and_only_private_ones_can_be_allowed() 
         let e = create(&mut su, url).expect_err(url);
         assert!(e.contains("22023"), "{url}: {e}");
     }
-    db.cluster().set("pg_outbox.http_allow_private", "on");
+    let _settings = settings.set("pg_outbox.http_allow_private", "on", "off");
     for url in never {
         let e = create(&mut su, url).expect_err(url);
         assert!(e.contains("not globally reachable"), "{url}: {e}");
@@ -750,24 +789,6 @@ fn events_are_capped_in_size_by_a_superuser_setting() {
     .unwrap();
 }
 
-/// Puts the workers' handler settings back when a test that changed them ends.
-struct HandlerSettings<'a>(&'a TestDb);
-
-impl<'a> HandlerSettings<'a> {
-    fn fast(db: &'a TestDb) -> Self {
-        db.cluster().set("pg_outbox.sink_timeout", "500ms");
-        db.cluster().set("pg_outbox.poison_after", "2");
-        HandlerSettings(db)
-    }
-}
-
-impl Drop for HandlerSettings<'_> {
-    fn drop(&mut self) {
-        self.0.cluster().set("pg_outbox.sink_timeout", "30s");
-        self.0.cluster().set("pg_outbox.poison_after", "5");
-    }
-}
-
 /// A handler body that hangs on events whose payload says so, catching every cancel.
 const HANG_ON_FLAG: &str =
     "IF EXISTS (SELECT 1 FROM unnest(ARRAY[e]::outbox.event[]) x WHERE x.payload ? 'hang') THEN
@@ -777,7 +798,7 @@ const HANG_ON_FLAG: &str =
 #[test]
 fn a_sink_handler_that_never_stops_reaches_the_dead_letters_and_the_rest_is_delivered() {
     let db = worker_db("sec_hang_sink");
-    let _settings = HandlerSettings::fast(&db);
+    let _settings = Settings::fast_handlers(&db);
     let mut su = db.connect();
     let mut shipping = tenant(&db, "shipping", &[SINK_GRANTS]);
     let mut app = tenant(&db, "app", &[APP_GRANTS]);
@@ -837,7 +858,7 @@ fn a_sink_handler_that_never_stops_reaches_the_dead_letters_and_the_rest_is_deli
 #[test]
 fn a_job_handler_that_never_stops_dies_alone_and_its_batch_goes_through() {
     let db = worker_db("sec_hang_job");
-    let _settings = HandlerSettings::fast(&db);
+    let _settings = Settings::fast_handlers(&db);
     let mut su = db.connect();
     let mut loyalty = tenant(&db, "loyalty", &[SUBSCRIBER_GRANTS]);
     let mut app = tenant(&db, "app", &[APP_GRANTS]);
@@ -942,16 +963,7 @@ fn a_handler_can_leave_no_prepared_statements_or_listens_behind() {
 fn a_handler_that_releases_every_advisory_lock_cannot_free_an_http_lease() {
     use pg_outbox_tests::http_server::Receiver;
     let db = worker_db("sec_unlock_all");
-    struct Reset<'a>(&'a TestDb);
-    impl Drop for Reset<'_> {
-        fn drop(&mut self) {
-            self.0.cluster().set("pg_outbox.http_allow_plain", "off");
-            self.0.cluster().set("pg_outbox.http_allow_private", "off");
-        }
-    }
-    let _reset = Reset(&db);
-    db.cluster().set("pg_outbox.http_allow_plain", "on");
-    db.cluster().set("pg_outbox.http_allow_private", "on");
+    let _http = Settings::loopback_http(&db);
     let mut su = db.connect();
     let mut shipping = tenant(&db, "shipping", &[SINK_GRANTS]);
     let mut app = tenant(&db, "app", &[APP_GRANTS]);
@@ -1006,30 +1018,11 @@ fn a_handler_that_releases_every_advisory_lock_cannot_free_an_http_lease() {
     assert_eq!(ids.len(), unique.len(), "a batch was sent twice: {ids:?}");
 }
 
-/// HTTP settings for a loopback receiver, put back when the test ends.
-struct LoopbackHttp<'a>(&'a TestDb);
-
-impl<'a> LoopbackHttp<'a> {
-    fn on(db: &'a TestDb) -> Self {
-        db.cluster().set("pg_outbox.http_allow_plain", "on");
-        db.cluster().set("pg_outbox.http_allow_private", "on");
-        LoopbackHttp(db)
-    }
-}
-
-impl Drop for LoopbackHttp<'_> {
-    fn drop(&mut self) {
-        self.0.cluster().set("pg_outbox.http_allow_plain", "off");
-        self.0.cluster().set("pg_outbox.http_allow_private", "off");
-        self.0.cluster().set("pg_outbox.http_max_timeout", "30s");
-    }
-}
-
 #[test]
 fn endpoints_that_never_answer_do_not_hold_the_workers() {
     use pg_outbox_tests::http_server::Receiver;
     let db = worker_db("sec_silent_endpoints");
-    let _http = LoopbackHttp::on(&db);
+    let _http = Settings::loopback_http(&db);
     let mut su = db.connect();
     let mut shipping = tenant(&db, "shipping", &[SINK_GRANTS]);
     let mut app = tenant(&db, "app", &[APP_GRANTS]);
@@ -1085,8 +1078,7 @@ fn endpoints_that_never_answer_do_not_hold_the_workers() {
 fn a_superuser_setting_caps_every_http_sinks_timeout() {
     use pg_outbox_tests::http_server::Receiver;
     let db = worker_db("sec_http_cap");
-    let _http = LoopbackHttp::on(&db);
-    db.cluster().set("pg_outbox.http_max_timeout", "1s");
+    let _http = Settings::loopback_http(&db).set("pg_outbox.http_max_timeout", "1s", "30s");
     let mut su = db.connect();
     let silent = Receiver::start(|_, _| {
         std::thread::sleep(Duration::from_secs(30));

@@ -14,6 +14,7 @@ mod lease;
 mod owner;
 mod prune;
 mod query;
+mod queue;
 mod raise;
 mod raw;
 mod read_rule;

@@ -129,7 +129,12 @@ pub fn refuse_drop_of_owner(role: pg_sys::Oid) {
             "SELECT pg_catalog.string_agg(n, ', ' ORDER BY n) FROM ( \
                  SELECT c.kind || ' \"' || c.name || '\"' AS n FROM outbox.consumers c WHERE c.owner = $1 \
                  UNION ALL \
-                 SELECT 'schedule \"' || s.name || '\"' FROM outbox.schedules s WHERE s.owner = $1) o",
+                 SELECT 'schedule \"' || s.name || '\"' FROM outbox.schedules s WHERE s.owner = $1 \
+                 UNION ALL \
+                 SELECT 'queue \"' || q.name || '\"' FROM outbox.queues q WHERE q.owner = $1 \
+                 UNION ALL \
+                 SELECT 'privileges on queue \"' || g.queue || '\"' FROM outbox.queue_grants g \
+                  WHERE g.grantee = $1) o",
             &[pgrx::datum::DatumWithOid::from(role)],
         )
     });
@@ -139,7 +144,7 @@ pub fn refuse_drop_of_owner(role: pg_sys::Oid) {
             format!("role cannot be dropped because it owns pg_outbox objects in this database: {owned}"),
             "pg_outbox",
         )
-        .set_hint("drop them first (outbox.drop_sink, outbox.unsubscribe, outbox.drop_consumer, outbox.unschedule)")
+        .set_hint("drop them first (outbox.drop_sink, outbox.unsubscribe, outbox.drop_consumer, outbox.unschedule, outbox.drop_queue, outbox.revoke_queue)")
         .report(pgrx::PgLogLevel::ERROR);
     }
 }

@@ -73,6 +73,11 @@ raw_datum_type!(
 );
 
 raw_datum_type!(
+    /// A `regrole` argument: a role oid, resolved from its name by the caller's cast.
+    RawRegrole, "regrole", pg_sys::REGROLEOID
+);
+
+raw_datum_type!(
     /// A `time` argument, passed through as it came: pgrx's `Time` wraps 24:00 (which `time`
     /// accepts) to 00:00, and the SQL that checks it must see 24:00 to refuse it.
     RawTime, "time", pg_sys::TIMEOID
@@ -82,6 +87,12 @@ impl RawTime {
     pub fn datum(self) -> DatumWithOid<'static> {
         // SAFETY: a time datum (int8 microseconds, by value) typed as time.
         unsafe { DatumWithOid::new(self.0, pg_sys::TIMEOID) }
+    }
+}
+
+impl RawRegrole {
+    pub fn oid(self) -> pg_sys::Oid {
+        pg_sys::Oid::from(self.0.value() as u32)
     }
 }
 

@@ -69,9 +69,24 @@ fn subscribe(
     let regex = topic_regex(topics).or_report();
     lock_cursors_shared();
     let cursor = start_cursor(start_at);
-    if !insert_consumer(name, "subscription", cursor, caller()) {
+    let me = caller();
+    if !insert_consumer(name, "subscription", cursor, me) {
         Error::ConsumerExists(name.into()).report();
     }
+    // The jobs go on a queue of the subscriber's: one it owns for a handler (created if need be;
+    // the worker runs them, nobody else may touch them), one it may enqueue on otherwise.
+    let privilege = if handler.is_some() { "own" } else { "enqueue" };
+    as_owner(|| {
+        Spi::run_with_args(
+            "SELECT outbox._use_queue($1, $2, $3)",
+            &[
+                DatumWithOid::from(queue),
+                DatumWithOid::from(me),
+                DatumWithOid::from(privilege),
+            ],
+        )
+    })
+    .unwrap_or_else(|e| panic!("checking the queue: {e}"));
     as_owner(|| {
         Spi::run_with_args(
             "INSERT INTO outbox.subscriptions (name, topics, topic_regex, filter, handler, queue, max_attempts) \

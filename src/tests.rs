@@ -95,7 +95,7 @@ mod tests {
                   WHERE n.nspname = 'outbox' AND l.lanname IN ('sql', 'plpgsql') \
                     AND NOT coalesce('search_path=pg_catalog, pg_temp' = ANY (p.proconfig), false)"
             ),
-            "_my_xid,claim,complete,complete_many"
+            "_claim,_complete_many,_may,_my_xid"
         );
     }
 

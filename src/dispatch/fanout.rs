@@ -153,8 +153,9 @@ const WINDOW_SQL: &str = "\
       FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) r";
 
 /// Writes one job per (subscription, event) pair of the window: the event as the payload,
-/// `<subscription>:<event id>` as the key, so a job still waiting is not queued twice (a
-/// rewound cursor, say), while two subscriptions feeding one queue each get their job.
+/// `<subscription>:<event id>` as the key. A (subscription, event) whose job still waits is not
+/// queued twice (a rewound cursor, say), while two subscriptions feeding one queue each get their
+/// job. Keys given to `enqueue` live apart (index `jobs_waiting_key`): they cannot hide an event.
 const INSERT_SQL: &str = "\
     INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler, max_attempts) \
     SELECT m.queue, pg_catalog.to_jsonb(r), m.sub || ':' || r.id::text, r.id, m.sub, \
@@ -166,7 +167,7 @@ const INSERT_SQL: &str = "\
                      pg_catalog.unnest($8::text[])) \
            AS m(sub, queue, handler, max_attempts, position) ON m.position = r.position \
      ORDER BY r.n, m.sub \
-    ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' DO NOTHING";
+    ON CONFLICT (queue, subscription, event) WHERE subscription IS NOT NULL AND state = 'waiting' DO NOTHING";
 
 /// What a filter made of a window.
 #[derive(Default)]

@@ -31,10 +31,15 @@ WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 10000,
       autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 10000);
 -- The claim path: per queue, in run_at order, dead jobs left out.
 CREATE INDEX jobs_claim ON outbox.jobs (queue, run_at, id) WHERE state <> 'dead';
--- A key is queued once while it waits.
 -- The worker's path: due jobs of a subscription with a handler, in run_at order.
 CREATE INDEX jobs_worker ON outbox.jobs (subscription, run_at, id) WHERE handler IS NOT NULL AND state = 'waiting';
-CREATE UNIQUE INDEX jobs_waiting_key ON outbox.jobs (queue, key) WHERE key IS NOT NULL AND state = 'waiting';
+-- Two namespaces, so that neither can hide a job of the other: a key given to enqueue() is queued
+-- once per queue while it waits; a subscription queues an event once per queue while its job
+-- waits.
+CREATE UNIQUE INDEX jobs_waiting_key ON outbox.jobs (queue, key)
+    WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL;
+CREATE UNIQUE INDEX jobs_waiting_event ON outbox.jobs (queue, subscription, event)
+    WHERE subscription IS NOT NULL AND state = 'waiting';
 
 CREATE TYPE outbox.job AS (
     id bigint, queue text, payload jsonb, key text, attempts integer, max_attempts integer,
@@ -55,10 +60,205 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox.enqueue(queue text, payload jsonb DEFAULT '{}', run_at timestamptz DEFAULT NULL,
-                               key text DEFAULT NULL, max_attempts integer DEFAULT 10)
+-- Queues belong to roles. The role that creates a queue (outbox.create_queue, or the first
+-- enqueue() or subscribe() that names it) owns it; its members may do everything with its jobs,
+-- other roles what the owner grants them: enqueue (queue jobs) and work (claim, complete, fail,
+-- extend, replay). A subscription's queue is its owner's. The public functions are SECURITY
+-- INVOKER (src/queue.rs): they read the caller, then call the functions below as the owner of
+-- the log, passing the caller, and these check it. Nobody else can call them usefully: they are
+-- SECURITY INVOKER too, and only the log's owner may touch these tables.
+CREATE TABLE outbox.queues (
+    name       text        NOT NULL PRIMARY KEY,
+    owner      oid         NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+
+CREATE TABLE outbox.queue_grants (
+    queue   text    NOT NULL REFERENCES outbox.queues (name) ON DELETE CASCADE,
+    grantee oid     NOT NULL,
+    enqueue boolean NOT NULL,
+    work    boolean NOT NULL,
+    PRIMARY KEY (queue, grantee)
+);
+
+-- Whether role `who` may `privilege` ('enqueue' or 'work') on `queue`: a member of its owner
+-- (superusers are members of every role), or of a role granted that privilege. 'own': a member
+-- of the owner only.
+CREATE FUNCTION outbox._may(queue text, who oid, privilege text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT FROM outbox.queues q
+                    WHERE q.name OPERATOR(pg_catalog.=) queue
+                      AND pg_catalog.pg_has_role(who, q.owner, 'USAGE'))
+        OR privilege OPERATOR(pg_catalog.<>) 'own' AND EXISTS (SELECT FROM outbox.queue_grants g
+                    WHERE g.queue OPERATOR(pg_catalog.=) queue
+                      AND (privilege OPERATOR(pg_catalog.=) 'enqueue' AND g.enqueue
+                           OR privilege OPERATOR(pg_catalog.=) 'work' AND g.work)
+                      AND pg_catalog.pg_has_role(who, g.grantee, 'USAGE'))
+$$;
+
+-- Refuses (42501) unless `who` may `privilege` on `queue`.
+CREATE FUNCTION outbox._check_may(queue text, who oid, privilege text) RETURNS void
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF NOT outbox._may(queue, who, privilege) THEN
+        RAISE EXCEPTION 'permission denied for queue "%"', queue USING ERRCODE = 'insufficient_privilege',
+            DETAIL = format('role %s may not %s on it', who::regrole,
+                            CASE privilege WHEN 'enqueue' THEN 'enqueue jobs' WHEN 'own' THEN 'act as its owner'
+                                           ELSE 'work (claim, complete, fail, extend or replay jobs)' END),
+            HINT = 'the queue''s owner grants it with outbox.grant_queue()';
+    END IF;
+END
+$$;
+
+-- The queue `name`, created for `who` if it does not exist yet; refuses (42501) unless `who`
+-- may `privilege` on it.
+CREATE FUNCTION outbox._use_queue(name text, who oid, privilege text) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM outbox._check_queue(name);
+    INSERT INTO outbox.queues AS q (name, owner) VALUES (name, who) ON CONFLICT DO NOTHING;
+    PERFORM outbox._check_may(name, who, privilege);
+END
+$$;
+
+CREATE FUNCTION outbox._create_queue(name text, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM outbox._check_queue(name);
+    INSERT INTO outbox.queues AS q (name, owner) VALUES (name, who) ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'queue "%" already exists', name USING ERRCODE = 'duplicate_object';
+    END IF;
+END
+$$;
+
+-- The owner of `name`, after checking that `who` acts for it (42501) and that it exists (42704).
+CREATE FUNCTION outbox._owned_queue(name text, who oid, action text) RETURNS oid
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    owner oid;
+BEGIN
+    PERFORM outbox._check_queue(name);
+    SELECT q.owner INTO owner FROM outbox.queues q WHERE q.name = _owned_queue.name;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'queue "%" does not exist', name USING ERRCODE = 'undefined_object';
+    END IF;
+    IF NOT pg_has_role(who, owner, 'USAGE') THEN
+        RAISE EXCEPTION 'must be a member of the owner of queue "%" to %', name, action
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN owner;
+END
+$$;
+
+CREATE FUNCTION outbox._drop_queue(name text, drop_jobs boolean, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    feeders text;
+    jobs bigint;
+BEGIN
+    IF drop_jobs IS NULL THEN
+        RAISE EXCEPTION 'drop_jobs must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    PERFORM outbox._owned_queue(name, who, 'drop it');
+    PERFORM FROM outbox.queues q WHERE q.name = _drop_queue.name FOR UPDATE;
+    SELECT string_agg(format('"%s"', s.name), ', ' ORDER BY s.name) INTO feeders
+      FROM outbox.subscriptions s WHERE s.queue = _drop_queue.name;
+    IF feeders IS NOT NULL THEN
+        RAISE EXCEPTION 'cannot drop queue "%": subscriptions % queue jobs on it', name, feeders
+            USING ERRCODE = 'dependent_objects_still_exist', HINT = 'unsubscribe them first';
+    END IF;
+    SELECT string_agg(format('"%s"', s.name), ', ' ORDER BY s.name) INTO feeders
+      FROM outbox.schedules s WHERE s.queue = _drop_queue.name;
+    IF feeders IS NOT NULL THEN
+        RAISE EXCEPTION 'cannot drop queue "%": schedules % queue jobs on it', name, feeders
+            USING ERRCODE = 'dependent_objects_still_exist', HINT = 'unschedule them first';
+    END IF;
+    SELECT count(*) INTO jobs FROM outbox.jobs j WHERE j.queue = _drop_queue.name;
+    IF jobs > 0 AND NOT drop_jobs THEN
+        RAISE EXCEPTION 'cannot drop queue "%": it holds % jobs', name, jobs
+            USING ERRCODE = 'dependent_objects_still_exist',
+                  HINT = 'let them finish, or drop them with it: drop_jobs => true';
+    END IF;
+    DELETE FROM outbox.jobs j WHERE j.queue = _drop_queue.name;
+    DELETE FROM outbox.queues q WHERE q.name = _drop_queue.name;
+    IF jobs > 0 THEN
+        RAISE LOG 'pg_outbox: queue % dropped with % jobs by role %', name, jobs, who::regrole;
+    END IF;
+END
+$$;
+
+CREATE FUNCTION outbox._grant_queue(queue text, grantee oid, enqueue boolean, work boolean, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF grantee IS NULL THEN
+        RAISE EXCEPTION 'role must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF enqueue IS NULL OR work IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', CASE WHEN enqueue IS NULL THEN 'enqueue' ELSE 'work' END
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    PERFORM outbox._owned_queue(queue, who, 'grant on it');
+    IF NOT (enqueue OR work) THEN
+        RETURN;
+    END IF;
+    INSERT INTO outbox.queue_grants AS g (queue, grantee, enqueue, work)
+    VALUES (queue, grantee, enqueue, work)
+    ON CONFLICT ON CONSTRAINT queue_grants_pkey
+    DO UPDATE SET enqueue = g.enqueue OR excluded.enqueue, work = g.work OR excluded.work;
+END
+$$;
+
+-- Revoking enqueue from a role whose subscription or schedule queues jobs on the queue is
+-- refused: it would go on queueing them as if nothing had changed.
+CREATE FUNCTION outbox._revoke_queue(queue text, grantee oid, enqueue boolean, work boolean, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    feeders text;
+BEGIN
+    IF grantee IS NULL THEN
+        RAISE EXCEPTION 'role must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF enqueue IS NULL OR work IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', CASE WHEN enqueue IS NULL THEN 'enqueue' ELSE 'work' END
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    PERFORM outbox._owned_queue(queue, who, 'revoke on it');
+    UPDATE outbox.queue_grants g
+       SET enqueue = g.enqueue AND NOT _revoke_queue.enqueue, work = g.work AND NOT _revoke_queue.work
+     WHERE g.queue = _revoke_queue.queue AND g.grantee = _revoke_queue.grantee;
+    IF enqueue THEN
+        SELECT string_agg(f, ', ' ORDER BY f) INTO feeders FROM (
+            SELECT format('subscription "%s"', s.name) AS f
+              FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name
+             WHERE s.queue = _revoke_queue.queue AND NOT outbox._may(s.queue, c.owner, 'enqueue')
+            UNION ALL
+            SELECT format('schedule "%s"', s.name)
+              FROM outbox.schedules s
+             WHERE s.queue = _revoke_queue.queue AND NOT outbox._may(s.queue, s.owner, 'enqueue')) x;
+        IF feeders IS NOT NULL THEN
+            RAISE EXCEPTION 'cannot revoke enqueue on queue "%": % would lose the right to queue jobs on it',
+                queue, feeders USING ERRCODE = 'dependent_objects_still_exist',
+                HINT = 'drop them first (outbox.unsubscribe, outbox.unschedule)';
+        END IF;
+    END IF;
+    DELETE FROM outbox.queue_grants g WHERE g.queue = _revoke_queue.queue AND NOT (g.enqueue OR g.work);
+END
+$$;
+
+-- outbox.queue_privileges(): who owns each queue and what it granted to whom, for operators.
+CREATE FUNCTION outbox.queue_privileges()
+RETURNS TABLE (queue text, owner regrole, grantee regrole, enqueue boolean, work boolean)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT q.name, q.owner::regrole, g.grantee::regrole, g.enqueue, g.work
+      FROM outbox.queues q LEFT JOIN outbox.queue_grants g ON g.queue = q.name
+     ORDER BY q.name, g.grantee::regrole::text
+$$;
+
+-- outbox.enqueue() (src/queue.rs) for the role `who`.
+CREATE FUNCTION outbox._enqueue(queue text, payload jsonb, run_at timestamptz, key text, max_attempts integer, who oid)
 RETURNS bigint
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
 DECLARE
     job bigint;
@@ -80,13 +280,17 @@ BEGIN
         RAISE EXCEPTION 'run_at must be a finite time' USING ERRCODE = 'invalid_parameter_value',
             HINT = 'a job at infinity would never run; NULL means now';
     END IF;
+    IF NOT outbox._may(queue, who, 'enqueue') THEN
+        PERFORM outbox._use_queue(queue, who, 'enqueue');
+    END IF;
     INSERT INTO outbox.jobs AS j (queue, payload, key, run_at, max_attempts)
     VALUES (queue, coalesce(payload, '{}'), key, coalesce(run_at, now()), max_attempts)
-    ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' DO NOTHING
+    ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL DO NOTHING
     RETURNING j.id INTO job;
     IF job IS NULL THEN
         -- The key is already waiting: that job stands for this one.
-        SELECT j.id INTO job FROM outbox.jobs j WHERE j.queue = enqueue.queue AND j.key = enqueue.key AND j.state = 'waiting';
+        SELECT j.id INTO job FROM outbox.jobs j
+         WHERE j.queue = _enqueue.queue AND j.key = _enqueue.key AND j.state = 'waiting' AND j.subscription IS NULL;
     END IF;
     RETURN job;
 END
@@ -101,7 +305,8 @@ LANGUAGE sql STABLE AS $$
             OPERATOR(pg_catalog.%) 4294967296)::pg_catalog.text::pg_catalog.xid
 $$;
 
--- Claims up to max_jobs due jobs of a queue, in run_at order, skipping jobs others hold.
+-- outbox.claim() (src/queue.rs) for the role `who`: up to max_jobs due jobs of a queue, in
+-- run_at order, skipping jobs others hold. A queue that does not exist has no jobs to claim.
 --
 -- With a lease (the default), each job is marked running until lease_until and its attempt is
 -- counted: the claim commits, the worker works with no transaction open, then completes or fails
@@ -112,12 +317,11 @@ $$;
 -- back or the connection dies they are free at once. Half the writes of a lease (the attempt is
 -- counted only by fail()), for workers whose jobs are short enough to hold a transaction open.
 -- claim, complete and complete_many are the hot path of every external worker. They do not pin
--- search_path (the save and restore cost 5-10% of a claim) and, in return, qualify every name
--- they use: tables, functions, types and operators (OPERATOR(pg_catalog.=)). A caller's
--- search_path can then change nothing they do. Keep it so when editing them.
-CREATE FUNCTION outbox.claim(queue text, max_jobs integer DEFAULT 1, lease interval DEFAULT '30 seconds')
+-- search_path (the save and restore cost 5-10% of a claim) and qualify every name they use:
+-- tables, functions, types and operators (OPERATOR(pg_catalog.=)). Keep it so when editing them.
+CREATE FUNCTION outbox._claim(queue text, max_jobs integer, lease interval, who oid)
 RETURNS SETOF outbox.job
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER AS $$
+LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     -- Only a name that fails the rule pays for the call that explains why.
     IF queue IS NULL OR queue OPERATOR(pg_catalog.!~) '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$' THEN
@@ -129,27 +333,33 @@ BEGIN
     IF max_jobs OPERATOR(pg_catalog.<) 1 OR max_jobs OPERATOR(pg_catalog.>) 1000 THEN
         RAISE EXCEPTION 'max_jobs must be between 1 and 1000' USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    IF lease OPERATOR(pg_catalog.<=) '0' OR lease OPERATOR(pg_catalog.>) '1 day' THEN
+        RAISE EXCEPTION 'lease must be positive and at most a day (or NULL: held by this transaction)'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NOT outbox._may(queue, who, 'work') THEN
+        IF EXISTS (SELECT FROM outbox.queues q WHERE q.name OPERATOR(pg_catalog.=) _claim.queue) THEN
+            PERFORM outbox._check_may(queue, who, 'work');
+        END IF;
+        RETURN;
+    END IF;
     IF lease IS NULL THEN
         RETURN QUERY
         SELECT j.id, j.queue, j.payload, j.key, j.attempts OPERATOR(pg_catalog.+) 1, j.max_attempts,
                NULL::pg_catalog.timestamptz, j.created_at, j.event, j.subscription
           FROM outbox.jobs j
-         WHERE j.queue OPERATOR(pg_catalog.=) claim.queue AND j.state OPERATOR(pg_catalog.=) 'waiting'
+         WHERE j.queue OPERATOR(pg_catalog.=) _claim.queue AND j.state OPERATOR(pg_catalog.=) 'waiting'
            AND j.run_at OPERATOR(pg_catalog.<=) pg_catalog.now() AND j.handler IS NULL
          ORDER BY j.run_at, j.id
          LIMIT max_jobs
            FOR UPDATE SKIP LOCKED;
         RETURN;
     END IF;
-    IF lease OPERATOR(pg_catalog.<=) '0' OR lease OPERATOR(pg_catalog.>) '1 day' THEN
-        RAISE EXCEPTION 'lease must be positive and at most a day (or NULL: held by this transaction)'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
     -- Waiting jobs that are due, and running jobs whose lease lapsed (their worker died).
     RETURN QUERY
     WITH c AS (
         SELECT j.id FROM outbox.jobs j
-         WHERE j.queue OPERATOR(pg_catalog.=) claim.queue AND j.state OPERATOR(pg_catalog.<>) 'dead'
+         WHERE j.queue OPERATOR(pg_catalog.=) _claim.queue AND j.state OPERATOR(pg_catalog.<>) 'dead'
            AND j.run_at OPERATOR(pg_catalog.<=) pg_catalog.now()
            AND (j.state OPERATOR(pg_catalog.=) 'waiting' OR j.lease_until OPERATOR(pg_catalog.<) pg_catalog.now())
            AND j.handler IS NULL
@@ -164,49 +374,66 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox.complete(job bigint) RETURNS boolean
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER AS $$
-BEGIN
-    IF job IS NULL THEN
-        RAISE EXCEPTION 'job must not be NULL' USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    -- Running under a lease, or held by this transaction (claimed with lease => NULL: the row's
-    -- xmax is our lock). A job another transaction holds does not match: no waiting for it.
-    DELETE FROM outbox.jobs j
-     WHERE j.id OPERATOR(pg_catalog.=) job
-       AND (j.state OPERATOR(pg_catalog.=) 'running'
-            OR (j.state OPERATOR(pg_catalog.=) 'waiting' AND j.xmax OPERATOR(pg_catalog.=) outbox._my_xid()));
-    RETURN FOUND;
-END
-$$;
-
--- complete() for a batch: one statement for all of them. Returns how many were completed (jobs
--- not running under a lease nor held by this transaction are left alone, as complete() does).
-CREATE FUNCTION outbox.complete_many(jobs bigint[]) RETURNS integer
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER AS $$
+-- outbox.complete_many() (src/queue.rs) for the role `who`: one statement for all the jobs.
+-- Returns how many were completed (jobs not running under a lease nor held by this transaction
+-- are left alone). A job of a queue `who` may not work fails the whole call (42501), checked
+-- once per queue after the delete, which the error then undoes.
+CREATE FUNCTION outbox._complete_many(jobs bigint[], who oid) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     n integer;
+    denied text;
 BEGIN
     IF jobs IS NULL THEN
         RAISE EXCEPTION 'jobs must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    DELETE FROM outbox.jobs j
-     WHERE j.id OPERATOR(pg_catalog.=) ANY (jobs)
-       AND (j.state OPERATOR(pg_catalog.=) 'running'
-            OR (j.state OPERATOR(pg_catalog.=) 'waiting' AND j.xmax OPERATOR(pg_catalog.=) outbox._my_xid()));
-    GET DIAGNOSTICS n = ROW_COUNT;
+    -- Running under a lease, or held by this transaction (claimed with lease => NULL: the row's
+    -- xmax is our lock). A job another transaction holds does not match: no waiting for it.
+    WITH done AS (
+        DELETE FROM outbox.jobs j
+         WHERE j.id OPERATOR(pg_catalog.=) ANY (jobs)
+           AND (j.state OPERATOR(pg_catalog.=) 'running'
+                OR (j.state OPERATOR(pg_catalog.=) 'waiting' AND j.xmax OPERATOR(pg_catalog.=) outbox._my_xid()))
+        RETURNING j.queue
+    ), per_queue AS (
+        SELECT d.queue, pg_catalog.count(*) AS n FROM done d GROUP BY d.queue)
+    SELECT coalesce(pg_catalog.sum(p.n), 0)::pg_catalog.int4,
+           pg_catalog.min(p.queue) FILTER (WHERE NOT outbox._may(p.queue, who, 'work'))
+      INTO n, denied
+      FROM per_queue p;
+    IF denied IS NOT NULL THEN
+        PERFORM outbox._check_may(denied, who, 'work');
+    END IF;
     RETURN n;
 END
 $$;
 
-CREATE FUNCTION outbox.fail(job bigint, error text DEFAULT NULL, retry boolean DEFAULT true) RETURNS text
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+-- Refuses (42501) unless `who` may work the queue of job `job`; false when there is no such job.
+-- Takes no lock (a job never changes queue): the callers lock what they change, and a job another
+-- transaction holds must not make them wait.
+CREATE FUNCTION outbox._check_job(job bigint, who oid) RETURNS boolean
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    q text;
+BEGIN
+    SELECT j.queue INTO q FROM outbox.jobs j WHERE j.id = job;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM outbox._check_may(q, who, 'work');
+    RETURN true;
+END
+$$;
+
+CREATE FUNCTION outbox._fail(job bigint, error text, retry boolean, who oid) RETURNS text
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     j outbox.jobs;
 BEGIN
     IF job IS NULL OR retry IS NULL THEN
         RAISE EXCEPTION 'job and retry must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
+    PERFORM outbox._check_job(job, who);
     SELECT * INTO j FROM outbox.jobs jj
      WHERE jj.id = job AND (jj.state = 'running' OR (jj.state = 'waiting' AND jj.xmax = outbox._my_xid()))
        FOR UPDATE;
@@ -231,8 +458,8 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox.extend(job bigint, lease interval DEFAULT '30 seconds') RETURNS boolean
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+CREATE FUNCTION outbox._extend(job bigint, lease interval, who oid) RETURNS boolean
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF job IS NULL OR lease IS NULL THEN
         RAISE EXCEPTION 'job and lease must not be NULL' USING ERRCODE = 'null_value_not_allowed';
@@ -240,26 +467,27 @@ BEGIN
     IF lease <= '0' OR lease > '1 day' THEN
         RAISE EXCEPTION 'lease must be positive and at most a day' USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM outbox._check_job(job, who);
     UPDATE outbox.jobs SET lease_until = now() + lease WHERE id = job AND state = 'running';
     RETURN FOUND;
 END
 $$;
 
-CREATE FUNCTION outbox.replay_job(job bigint) RETURNS void
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+CREATE FUNCTION outbox._replay_job(job bigint, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF job IS NULL THEN
         RAISE EXCEPTION 'job must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
+    IF NOT outbox._check_job(job, who) THEN
+        RAISE EXCEPTION 'job % does not exist', job USING ERRCODE = 'undefined_object';
+    END IF;
     UPDATE outbox.jobs SET state = 'waiting', attempts = 0, run_at = now(), lease_until = NULL
      WHERE id = job AND state = 'dead';
     IF NOT FOUND THEN
-        IF EXISTS (SELECT 1 FROM outbox.jobs WHERE id = job) THEN
-            RAISE EXCEPTION 'job % is not dead', job USING ERRCODE = 'object_not_in_prerequisite_state';
-        END IF;
-        RAISE EXCEPTION 'job % does not exist', job USING ERRCODE = 'undefined_object';
+        RAISE EXCEPTION 'job % is not dead', job USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
-    RAISE LOG 'pg_outbox: job % replayed by role %', job, current_user;
+    RAISE LOG 'pg_outbox: job % replayed by role %', job, who::regrole;
 END
 $$;
 

@@ -286,6 +286,11 @@ BEGIN
             HINT = 'wrap the value in an object, e.g. {"value": ...}; NULL means {}';
     END IF;
 
+    IF queue IS NOT NULL THEN
+        -- Its runs queue jobs as the owner: the owner must be allowed to (the queue is created,
+        -- owned by the owner, if it does not exist yet).
+        PERFORM outbox._use_queue(queue, owner, 'enqueue');
+    END IF;
     first_run := outbox._next_run(every, daily_at, tz, dow, now(), NULL);
     -- ON CONFLICT rather than a look first: of two sessions creating one name at once, the second
     -- waits for the first and then gets the clear error, not a unique violation.
@@ -330,10 +335,16 @@ $$;
 -- scheduled_for is the run's instant in UTC ISO 8601 ('2026-03-08T07:00:00.000000Z'), so the
 -- headers and job keys do not depend on the session TimeZone. A job's key, name@scheduled_for,
 -- is one run: a run queued twice would be one job.
+--
+-- A run writes only what its owner may still write: EXECUTE on raise() (or enqueue(), and the
+-- enqueue privilege on the queue). A run whose owner lost that right is skipped (the schedule
+-- moves on to its next run) and a WARNING in the server log says which and why.
 CREATE FUNCTION outbox._fire_schedules() RETURNS integer
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     n integer;
+    denied text[];
+    d text;
 BEGIN
     WITH due AS (
         SELECT s.name, s.next_run
@@ -347,18 +358,30 @@ BEGIN
                fired = s.fired + 1
           FROM due
          WHERE s.name = due.name
-        RETURNING s.name, s.topic, s.queue, s.payload,
-                  to_char(due.next_run AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS scheduled_for
+        RETURNING s.name, s.topic, s.queue, s.payload, s.owner,
+                  to_char(due.next_run AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS scheduled_for,
+                  CASE WHEN s.topic IS NOT NULL
+                       THEN has_function_privilege(s.owner, 'outbox.raise(text, jsonb, text, text, jsonb)', 'EXECUTE')
+                       ELSE has_function_privilege(s.owner, 'outbox.enqueue(text, jsonb, timestamptz, text, integer)', 'EXECUTE')
+                            AND outbox._may(s.queue, s.owner, 'enqueue')
+                  END AS allowed
     )
-    -- count(x) evaluates x for every row: each run writes once. raise() and enqueue() never
-    -- return NULL here (a key is one run, so enqueue never meets another run's job).
-    SELECT count(CASE WHEN f.topic IS NOT NULL
+    -- count(x) evaluates x for every row: each run writes once. raise() and _enqueue() never
+    -- return NULL here (a key is one run, so _enqueue never meets another run's job).
+    SELECT count(CASE WHEN NOT f.allowed THEN NULL
+                      WHEN f.topic IS NOT NULL
                       THEN outbox.raise(f.topic, f.payload, NULL, NULL,
                                         jsonb_build_object('schedule', f.name, 'scheduled_for', f.scheduled_for))::text
-                      ELSE outbox.enqueue(f.queue, f.payload, NULL, f.name || '@' || f.scheduled_for, 10)::text
-                 END)
-      INTO n
+                      ELSE outbox._enqueue(f.queue, f.payload, NULL, f.name || '@' || f.scheduled_for, 10, f.owner)::text
+                 END),
+           array_agg(format('schedule "%s" skipped a run: its owner %s may no longer write to %s',
+                            f.name, f.owner::regrole, coalesce('topic ' || f.topic, 'queue ' || f.queue)))
+               FILTER (WHERE NOT f.allowed)
+      INTO n, denied
       FROM fired f;
+    FOREACH d IN ARRAY coalesce(denied, '{}') LOOP
+        RAISE WARNING 'pg_outbox: %', d USING HINT = 'grant the right back, or outbox.unschedule() it';
+    END LOOP;
     RETURN n;
 END
 $$;

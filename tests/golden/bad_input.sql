@@ -46,6 +46,8 @@ UNION ALL SELECT 'dead_letters', md5(coalesce(string_agg(t::text, ',' ORDER BY t
 UNION ALL SELECT 'events', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.events t
 UNION ALL SELECT 'http_sinks', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.http_sinks t
 UNION ALL SELECT 'jobs', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.jobs t
+UNION ALL SELECT 'queue_grants', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.queue_grants t
+UNION ALL SELECT 'queues', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.queues t
 UNION ALL SELECT 'schedules', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.schedules t
 UNION ALL SELECT 'sinks', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.sinks t
 UNION ALL SELECT 'subscriptions', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.subscriptions t;
@@ -775,6 +777,37 @@ SELECT outbox.replay_job(9223372036854775807);
 SELECT outbox.replay_job((SELECT id FROM outbox.jobs WHERE key = 'k1'));
 SELECT outbox.replay_job('one');
 
+-- ======================================================================================= queues
+-- NULLs and bad names
+SELECT outbox.create_queue(NULL);
+SELECT outbox.create_queue('');
+SELECT outbox.create_queue(repeat('q', 64));
+SELECT outbox.create_queue('x''; DROP TABLE outbox.queues; --');
+SELECT outbox.create_queue('qüeue');
+SELECT outbox.drop_queue(NULL);
+SELECT outbox.drop_queue('q1', NULL);
+SELECT outbox.drop_queue('a b');
+SELECT outbox.grant_queue(NULL, 'postgres');
+SELECT outbox.grant_queue('q1', NULL);
+SELECT outbox.grant_queue('q1', 'postgres', NULL);
+SELECT outbox.grant_queue('q1', 'postgres', work => NULL);
+SELECT outbox.grant_queue('q1', 'no_such_role');
+SELECT outbox.revoke_queue(NULL, 'postgres');
+SELECT outbox.revoke_queue('q1', NULL);
+SELECT outbox.revoke_queue('q1', 'postgres', NULL);
+-- a queue that exists already, or does not exist
+SELECT outbox.create_queue('q1');
+SELECT outbox.drop_queue('nosuch');
+SELECT outbox.grant_queue('nosuch', 'postgres');
+SELECT outbox.revoke_queue('nosuch', 'postgres');
+-- a queue that a subscription feeds, or that still holds jobs
+SELECT outbox.drop_queue('q1');
+BEGIN;
+SELECT outbox.create_queue('q9');
+SELECT outbox.enqueue('q9') IS NOT NULL AS enqueued;
+SELECT outbox.drop_queue('q9');
+ROLLBACK;
+
 -- ===================================================================================== schedule
 -- outbox.schedule() checks the name and the topic itself, and the rest in outbox._schedule(),
 -- which it runs through SPI: those refusals go through pg_temp.refused() (see above).
@@ -864,10 +897,14 @@ GRANT EXECUTE ON FUNCTION outbox.advance(text, text), outbox.rewind(text, text),
       outbox.create_sink(text, regprocedure, text[], integer, text), outbox.pause_sink(text), outbox.drop_sink(text),
       outbox.replay(text), outbox.subscribe(text, text[], regprocedure, text, text, integer, text),
       outbox.unsubscribe(text), outbox.schedule(text, interval, time, text, text, text, text, jsonb),
-      outbox.unschedule(text) TO outbox_bad_input;
+      outbox.unschedule(text), outbox.claim(text, integer, interval), outbox.complete_many(bigint[]),
+      outbox.fail(bigint, text, boolean), outbox.extend(bigint, interval), outbox.replay_job(bigint),
+      outbox.drop_queue(text, boolean), outbox.grant_queue(text, regrole, boolean, boolean),
+      outbox.revoke_queue(text, regrole, boolean, boolean) TO outbox_bad_input;
 CREATE FUNCTION public.private_sink(events outbox.event[]) RETURNS void LANGUAGE sql AS $$ SELECT $$;
 CREATE FUNCTION public.private_job(e outbox.event) RETURNS void LANGUAGE sql AS $$ SELECT $$;
 REVOKE EXECUTE ON FUNCTION public.private_sink(outbox.event[]), public.private_job(outbox.event) FROM PUBLIC;
+SELECT id AS k1_job FROM outbox.jobs WHERE key = 'k1' \gset
 SET ROLE outbox_bad_input;
 -- no EXECUTE on the function
 SELECT outbox.raise('order.placed');
@@ -883,6 +920,14 @@ SELECT outbox.drop_sink('h1');
 SELECT outbox.replay('s1');
 SELECT outbox.unsubscribe('sub1');
 SELECT outbox.unschedule('sch1');
+-- another role's queue
+SELECT * FROM outbox.claim('q1');
+SELECT outbox.fail(:k1_job, 'x');
+SELECT outbox.extend(:k1_job);
+SELECT outbox.replay_job(:k1_job);
+SELECT outbox.drop_queue('q1');
+SELECT outbox.grant_queue('q1', 'outbox_bad_input');
+SELECT outbox.revoke_queue('q1', 'postgres');
 -- a handler the role may not execute
 SELECT outbox.create_sink('s2', 'private_sink(outbox.event[])');
 SELECT outbox.subscribe('sub3', handler => 'private_job(outbox.event)');

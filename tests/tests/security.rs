@@ -1266,3 +1266,263 @@ fn a_slow_filter_does_not_hold_the_subscriptions_beside_it() {
         },
     );
 }
+
+/// The README's grants for a job producer and external job worker.
+const JOB_GRANTS: &str = "GRANT USAGE ON SCHEMA outbox TO {r};
+    GRANT EXECUTE ON FUNCTION outbox.enqueue(text, jsonb, timestamptz, text, integer),
+        outbox.claim(text, integer, interval), outbox.complete(bigint),
+        outbox.complete_many(bigint[]), outbox.fail(bigint, text, boolean),
+        outbox.extend(bigint, interval), outbox.replay_job(bigint), outbox.create_queue(text),
+        outbox.drop_queue(text, boolean), outbox.grant_queue(text, regrole, boolean, boolean),
+        outbox.revoke_queue(text, regrole, boolean, boolean) TO {r};";
+
+fn claimed(c: &mut Client, queue: &str) -> Vec<i64> {
+    c.query("SELECT id FROM outbox.claim($1, 100)", &[&queue])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[test]
+fn a_job_queue_belongs_to_its_owner_and_whom_it_grants() {
+    let db = worker_db("sec_queue_owner");
+    let mut su = db.connect();
+    let mut owner = tenant(&db, "mailer_a", &[JOB_GRANTS]);
+    let mut other = tenant(&db, "mailer_b", &[JOB_GRANTS]);
+    let mut loyalty = tenant(&db, "loyalty", &[SUBSCRIBER_GRANTS]);
+    // The first to use a name owns the queue.
+    owner
+        .batch_execute(
+            "SELECT outbox.enqueue('mail_a', '{\"to\": \"a@example.com\"}') FROM generate_series(1, 3);
+             SELECT outbox.create_queue('reserved_a');",
+        )
+        .unwrap();
+    // Another team's worker can neither take its jobs nor add to them.
+    assert_eq!(
+        sqlstate(&mut other, "SELECT * FROM outbox.claim('mail_a')"),
+        "42501"
+    );
+    assert_eq!(
+        sqlstate(&mut other, "SELECT * FROM outbox.claim('mail_a', 1, NULL)"),
+        "42501"
+    );
+    assert_eq!(
+        sqlstate(&mut other, "SELECT outbox.enqueue('mail_a')"),
+        "42501"
+    );
+    assert_eq!(
+        sqlstate(&mut other, "SELECT outbox.enqueue('reserved_a')"),
+        "42501"
+    );
+    assert_eq!(
+        sqlstate(&mut other, "SELECT outbox.create_queue('mail_a')"),
+        "42710"
+    );
+    // Nor act on them by id, whatever state they are in.
+    let mine = claimed(&mut owner, "mail_a");
+    assert_eq!(mine.len(), 3);
+    let (a, b, c) = (mine[0], mine[1], mine[2]);
+    for sql in [
+        format!("SELECT outbox.complete({a})"),
+        format!("SELECT outbox.complete_many(ARRAY[{a}, {b}])"),
+        format!("SELECT outbox.fail({a}, 'taken over', false)"),
+        format!("SELECT outbox.extend({a}, '1 day')"),
+        format!("SELECT outbox.replay_job({a})"),
+    ] {
+        assert_eq!(sqlstate(&mut other, &sql), "42501", "{sql}");
+    }
+    // A dead job is replayed by its queue's workers only, not by any subscriber.
+    owner
+        .execute("SELECT outbox.fail($1, 'bad address', false)", &[&c])
+        .unwrap();
+    assert_eq!(
+        sqlstate(&mut loyalty, &format!("SELECT outbox.replay_job({c})")),
+        "42501"
+    );
+    owner
+        .execute("SELECT outbox.replay_job($1)", &[&c])
+        .unwrap();
+    // Nothing of theirs moved: the owner still holds and completes its jobs.
+    let done: i32 = owner
+        .query_one(
+            "SELECT outbox.complete_many(ARRAY[$1, $2]::bigint[])",
+            &[&a, &b],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(done, 2);
+    assert_eq!(claimed(&mut owner, "mail_a"), [c]);
+    // Nor can a subscription or a schedule of another role feed it, nor a handler subscription
+    // take the name of another role's queue (its jobs would sit where that role can reach them).
+    assert_eq!(
+        sqlstate(
+            &mut loyalty,
+            "SELECT outbox.subscribe('into_mail_a', queue => 'mail_a')"
+        ),
+        "42501"
+    );
+    su.batch_execute(
+        "CREATE FUNCTION loyalty.h(e outbox.event) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+         ALTER FUNCTION loyalty.h(outbox.event) OWNER TO loyalty;",
+    )
+    .unwrap();
+    assert_eq!(
+        sqlstate(
+            &mut loyalty,
+            "SELECT outbox.subscribe('reserved_a', handler => 'loyalty.h(outbox.event)')"
+        ),
+        "42501"
+    );
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM outbox.consumers WHERE owner = 'loyalty'::regrole"
+        ),
+        0,
+        "nothing half-created"
+    );
+    // What the owner grants, and only that: enqueue without work, then work, then nothing.
+    owner
+        .batch_execute("SELECT outbox.grant_queue('mail_a', 'mailer_b', work => false)")
+        .unwrap();
+    other
+        .batch_execute("SELECT outbox.enqueue('mail_a')")
+        .unwrap();
+    assert_eq!(
+        sqlstate(&mut other, "SELECT * FROM outbox.claim('mail_a')"),
+        "42501"
+    );
+    assert_eq!(
+        sqlstate(&mut other, "SELECT outbox.grant_queue('mail_a', 'loyalty')"),
+        "42501",
+        "a grantee cannot grant on"
+    );
+    owner
+        .batch_execute("SELECT outbox.grant_queue('mail_a', 'mailer_b', enqueue => false)")
+        .unwrap();
+    assert_eq!(claimed(&mut other, "mail_a").len(), 1);
+    owner
+        .batch_execute("SELECT outbox.revoke_queue('mail_a', 'mailer_b')")
+        .unwrap();
+    assert_eq!(
+        sqlstate(&mut other, "SELECT * FROM outbox.claim('mail_a')"),
+        "42501"
+    );
+    assert_eq!(
+        sqlstate(&mut other, "SELECT outbox.enqueue('mail_a')"),
+        "42501"
+    );
+    // Members of the owning role act for it; a superuser sees who has what.
+    su.batch_execute(
+        "DO $$ BEGIN CREATE ROLE mailer_a_member LOGIN IN ROLE mailer_a; \
+         EXCEPTION WHEN duplicate_object THEN NULL; END $$;",
+    )
+    .unwrap();
+    su.batch_execute(&format!(
+        "GRANT CONNECT ON DATABASE \"{}\" TO mailer_a_member",
+        db.name
+    ))
+    .unwrap();
+    let mut member = db.connect_as("mailer_a_member");
+    assert!(member
+        .query("SELECT * FROM outbox.claim('mail_a', 100)", &[])
+        .is_ok());
+    let owners: Vec<(String, String)> = su
+        .query(
+            "SELECT queue, owner::text FROM outbox.queue_privileges() ORDER BY queue",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        owners,
+        [
+            ("mail_a".to_string(), "mailer_a".to_string()),
+            ("reserved_a".into(), "mailer_a".into())
+        ]
+    );
+    // A role that owns a queue is not dropped from under it.
+    assert_eq!(sqlstate(&mut su, "DROP ROLE mailer_a"), "2BP01");
+}
+
+#[test]
+fn a_key_given_to_enqueue_cannot_hide_an_event_from_a_subscription() {
+    let db = worker_db("sec_key_namespace");
+    let mut su = db.connect();
+    let mut loyalty = tenant(&db, "loyalty", &[SUBSCRIBER_GRANTS, JOB_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS, JOB_GRANTS]);
+    su.batch_execute(
+        "CREATE TABLE public.ran (event uuid);
+         GRANT INSERT ON public.ran TO loyalty;
+         CREATE FUNCTION loyalty.h(e outbox.event) RETURNS void LANGUAGE sql AS
+           $$ INSERT INTO public.ran VALUES (e.id) $$;
+         ALTER FUNCTION loyalty.h(outbox.event) OWNER TO loyalty;",
+    )
+    .unwrap();
+    // One subscription runs a handler (its jobs queue under its name), one queues for workers,
+    // and app may enqueue on that queue (granted): it may add jobs, not suppress events.
+    loyalty
+        .batch_execute(
+            "SELECT outbox.subscribe('audit', handler => 'loyalty.h(outbox.event)');
+             SELECT outbox.subscribe('feed', queue => 'feed_q');
+             SELECT outbox.grant_queue('feed_q', 'app', work => false);",
+        )
+        .unwrap();
+    // In the raising transaction, the keys the fan-out gives each event's job.
+    let mut tx = app.transaction().unwrap();
+    let id: String = tx
+        .query_one("SELECT outbox.raise('order.placed')::text", &[])
+        .unwrap()
+        .get(0);
+    tx.execute(
+        "SELECT outbox.enqueue('feed_q', '{}', key => 'feed:' || $1)",
+        &[&id],
+    )
+    .unwrap();
+    tx.commit().unwrap();
+    // Even the owner, on its own handler's queue.
+    let mut tx = loyalty.transaction().unwrap();
+    tx.execute(
+        "SELECT outbox.enqueue('audit', '{}', key => 'audit:' || $1)",
+        &[&id],
+    )
+    .unwrap();
+    tx.commit().unwrap();
+    eventually(
+        "the handler to run the event",
+        Duration::from_secs(20),
+        || {
+            (count(
+                &mut su,
+                &format!("SELECT count(*) FROM public.ran WHERE event = '{}'", id),
+            ) == 1)
+                .then_some(())
+        },
+    );
+    eventually(
+        "the event's job on the queue",
+        Duration::from_secs(20),
+        || {
+            (count(
+                &mut su,
+                &format!(
+                "SELECT count(*) FROM outbox.jobs WHERE queue = 'feed_q' AND subscription = 'feed' \
+                 AND event = '{}'",
+                id
+            ),
+            ) == 1)
+                .then_some(())
+        },
+    );
+    // Both of app's jobs stand too, with their keys.
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE subscription IS NULL AND key LIKE 'feed:%'"
+        ),
+        1
+    );
+}

@@ -1,0 +1,783 @@
+-- pg_outbox 0.1.0 -> 0.2.0 (ALTER EXTENSION pg_outbox UPDATE). Released: never edit.
+--
+-- Job queues get owners (issue #10): tables outbox.queues and outbox.queue_grants, the calls
+-- create_queue, drop_queue, grant_queue, revoke_queue and queue_privileges, and every job call
+-- checks what its caller may do on the queue. Keys given to enqueue() and the keys of fan-out
+-- jobs live in separate namespaces. A schedule run whose owner lost the right to write is
+-- skipped, with a WARNING.
+--
+-- Queues that exist at the upgrade keep the access they had: each belongs to the role of the
+-- subscription or schedule that feeds it (else to the owner of the log), and every role that could
+-- call enqueue() or claim() before keeps that on it (0.1.0 had no per-queue check), except on the
+-- queues of subscriptions with a handler, whose jobs only the worker runs. A NOTICE says how many;
+-- outbox.queue_privileges() lists them, outbox.revoke_queue() narrows them.
+\echo Use "ALTER EXTENSION pg_outbox UPDATE TO '0.2.0'" to load this file. \quit
+
+-- Two namespaces for keys: enqueue()'s per queue, the fan-out's per queue, subscription and
+-- event. Both stay unique on the rows 0.1.0 left (its one index covered both).
+DROP INDEX outbox.jobs_waiting_key;
+CREATE UNIQUE INDEX jobs_waiting_key ON outbox.jobs (queue, key)
+    WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL;
+CREATE UNIQUE INDEX jobs_waiting_event ON outbox.jobs (queue, subscription, event)
+    WHERE subscription IS NOT NULL AND state = 'waiting';
+
+-- Queues belong to roles. The role that creates a queue (outbox.create_queue, or the first
+-- enqueue() or subscribe() that names it) owns it; its members may do everything with its jobs,
+-- other roles what the owner grants them: enqueue (queue jobs) and work (claim, complete, fail,
+-- extend, replay). A subscription's queue is its owner's. The public functions are SECURITY
+-- INVOKER (src/queue.rs): they read the caller, then call the functions below as the owner of
+-- the log, passing the caller, and these check it. Nobody else can call them usefully: they are
+-- SECURITY INVOKER too, and only the log's owner may touch these tables.
+CREATE TABLE outbox.queues (
+    name       text        NOT NULL PRIMARY KEY,
+    owner      oid         NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+
+CREATE TABLE outbox.queue_grants (
+    queue   text    NOT NULL REFERENCES outbox.queues (name) ON DELETE CASCADE,
+    grantee oid     NOT NULL,
+    enqueue boolean NOT NULL,
+    work    boolean NOT NULL,
+    PRIMARY KEY (queue, grantee)
+);
+
+-- Whether role `who` may `privilege` ('enqueue' or 'work') on `queue`: a member of its owner
+-- (superusers are members of every role), or of a role granted that privilege. 'own': a member
+-- of the owner only.
+CREATE FUNCTION outbox._may(queue text, who oid, privilege text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT FROM outbox.queues q
+                    WHERE q.name OPERATOR(pg_catalog.=) queue
+                      AND pg_catalog.pg_has_role(who, q.owner, 'USAGE'))
+        OR privilege OPERATOR(pg_catalog.<>) 'own' AND EXISTS (SELECT FROM outbox.queue_grants g
+                    WHERE g.queue OPERATOR(pg_catalog.=) queue
+                      AND CASE privilege WHEN 'enqueue' THEN g.enqueue ELSE g.work END
+                      AND pg_catalog.pg_has_role(who, g.grantee, 'USAGE'))
+$$;
+
+-- Refuses (42501) unless `who` may `privilege` on `queue`.
+CREATE FUNCTION outbox._check_may(queue text, who oid, privilege text) RETURNS void
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF NOT outbox._may(queue, who, privilege) THEN
+        RAISE EXCEPTION 'permission denied for queue "%"', queue USING ERRCODE = 'insufficient_privilege',
+            DETAIL = format('role %s may not %s on it', who::regrole,
+                            CASE privilege WHEN 'enqueue' THEN 'enqueue jobs' WHEN 'own' THEN 'act as its owner'
+                                           ELSE 'work (claim, complete, fail, extend or replay jobs)' END),
+            HINT = 'the queue''s owner grants it with outbox.grant_queue()';
+    END IF;
+END
+$$;
+
+-- The queue `name`, created for `who` if it does not exist yet; refuses (42501) unless `who`
+-- may `privilege` on it.
+CREATE FUNCTION outbox._use_queue(name text, who oid, privilege text) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM outbox._check_queue(name);
+    INSERT INTO outbox.queues AS q (name, owner) VALUES (name, who) ON CONFLICT DO NOTHING;
+    PERFORM outbox._check_may(name, who, privilege);
+END
+$$;
+
+CREATE FUNCTION outbox._create_queue(name text, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM outbox._check_queue(name);
+    INSERT INTO outbox.queues AS q (name, owner) VALUES (name, who) ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'queue "%" already exists', name USING ERRCODE = 'duplicate_object';
+    END IF;
+END
+$$;
+
+-- The owner of `name`, after checking that `who` acts for it (42501) and that it exists (42704).
+CREATE FUNCTION outbox._owned_queue(name text, who oid, action text) RETURNS oid
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    owner oid;
+BEGIN
+    PERFORM outbox._check_queue(name);
+    SELECT q.owner INTO owner FROM outbox.queues q WHERE q.name = _owned_queue.name;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'queue "%" does not exist', name USING ERRCODE = 'undefined_object';
+    END IF;
+    IF NOT pg_has_role(who, owner, 'USAGE') THEN
+        RAISE EXCEPTION 'must be a member of the owner of queue "%" to %', name, action
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN owner;
+END
+$$;
+
+CREATE FUNCTION outbox._drop_queue(name text, drop_jobs boolean, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    feeders text;
+    jobs bigint;
+BEGIN
+    IF drop_jobs IS NULL THEN
+        RAISE EXCEPTION 'drop_jobs must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    PERFORM outbox._owned_queue(name, who, 'drop it');
+    PERFORM FROM outbox.queues q WHERE q.name = _drop_queue.name FOR UPDATE;
+    SELECT string_agg(format('"%s"', s.name), ', ' ORDER BY s.name) INTO feeders
+      FROM outbox.subscriptions s WHERE s.queue = _drop_queue.name;
+    IF feeders IS NOT NULL THEN
+        RAISE EXCEPTION 'cannot drop queue "%": subscriptions % queue jobs on it', name, feeders
+            USING ERRCODE = 'dependent_objects_still_exist', HINT = 'unsubscribe them first';
+    END IF;
+    SELECT string_agg(format('"%s"', s.name), ', ' ORDER BY s.name) INTO feeders
+      FROM outbox.schedules s WHERE s.queue = _drop_queue.name;
+    IF feeders IS NOT NULL THEN
+        RAISE EXCEPTION 'cannot drop queue "%": schedules % queue jobs on it', name, feeders
+            USING ERRCODE = 'dependent_objects_still_exist', HINT = 'unschedule them first';
+    END IF;
+    SELECT count(*) INTO jobs FROM outbox.jobs j WHERE j.queue = _drop_queue.name;
+    IF jobs > 0 AND NOT drop_jobs THEN
+        RAISE EXCEPTION 'cannot drop queue "%": it holds % jobs', name, jobs
+            USING ERRCODE = 'dependent_objects_still_exist',
+                  HINT = 'let them finish, or drop them with it: drop_jobs => true';
+    END IF;
+    DELETE FROM outbox.jobs j WHERE j.queue = _drop_queue.name;
+    DELETE FROM outbox.queues q WHERE q.name = _drop_queue.name;
+    IF jobs > 0 THEN
+        RAISE LOG 'pg_outbox: queue % dropped with % jobs by role %', name, jobs, who::regrole;
+    END IF;
+END
+$$;
+
+CREATE FUNCTION outbox._grant_queue(queue text, grantee oid, enqueue boolean, work boolean, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF grantee IS NULL THEN
+        RAISE EXCEPTION 'role must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF enqueue IS NULL OR work IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', CASE WHEN enqueue IS NULL THEN 'enqueue' ELSE 'work' END
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    PERFORM outbox._owned_queue(queue, who, 'grant on it');
+    IF NOT (enqueue OR work) THEN
+        RETURN;
+    END IF;
+    INSERT INTO outbox.queue_grants AS g (queue, grantee, enqueue, work)
+    VALUES (queue, grantee, enqueue, work)
+    ON CONFLICT ON CONSTRAINT queue_grants_pkey
+    DO UPDATE SET enqueue = g.enqueue OR excluded.enqueue, work = g.work OR excluded.work;
+END
+$$;
+
+-- Revoking enqueue from a role whose subscription or schedule queues jobs on the queue is
+-- refused: it would go on queueing them as if nothing had changed.
+CREATE FUNCTION outbox._revoke_queue(queue text, grantee oid, enqueue boolean, work boolean, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    feeders text;
+BEGIN
+    IF grantee IS NULL THEN
+        RAISE EXCEPTION 'role must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF enqueue IS NULL OR work IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', CASE WHEN enqueue IS NULL THEN 'enqueue' ELSE 'work' END
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    PERFORM outbox._owned_queue(queue, who, 'revoke on it');
+    UPDATE outbox.queue_grants g
+       SET enqueue = g.enqueue AND NOT _revoke_queue.enqueue, work = g.work AND NOT _revoke_queue.work
+     WHERE g.queue = _revoke_queue.queue AND g.grantee = _revoke_queue.grantee;
+    IF enqueue THEN
+        SELECT string_agg(f, ', ' ORDER BY f) INTO feeders FROM (
+            SELECT format('subscription "%s"', s.name) AS f
+              FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name
+             WHERE s.queue = _revoke_queue.queue AND NOT outbox._may(s.queue, c.owner, 'enqueue')
+            UNION ALL
+            SELECT format('schedule "%s"', s.name)
+              FROM outbox.schedules s
+             WHERE s.queue = _revoke_queue.queue AND NOT outbox._may(s.queue, s.owner, 'enqueue')) x;
+        IF feeders IS NOT NULL THEN
+            RAISE EXCEPTION 'cannot revoke enqueue on queue "%": % would lose the right to queue jobs on it',
+                queue, feeders USING ERRCODE = 'dependent_objects_still_exist',
+                HINT = 'drop them first (outbox.unsubscribe, outbox.unschedule)';
+        END IF;
+    END IF;
+    DELETE FROM outbox.queue_grants g WHERE g.queue = _revoke_queue.queue AND NOT (g.enqueue OR g.work);
+END
+$$;
+
+-- outbox.queue_privileges(): who owns each queue and what it granted to whom, for operators.
+CREATE FUNCTION outbox.queue_privileges()
+RETURNS TABLE (queue text, owner regrole, grantee regrole, enqueue boolean, work boolean)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT q.name, q.owner::regrole, g.grantee::regrole, g.enqueue, g.work
+      FROM outbox.queues q LEFT JOIN outbox.queue_grants g ON g.queue = q.name
+     ORDER BY q.name, g.grantee::regrole::text
+$$;
+
+-- outbox.enqueue() (src/queue.rs) for the role `who`.
+CREATE FUNCTION outbox._enqueue(queue text, payload jsonb, run_at timestamptz, key text, max_attempts integer, who oid)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    job bigint;
+BEGIN
+    PERFORM outbox._check_queue(queue);
+    IF payload IS NOT NULL AND jsonb_typeof(payload) <> 'object' THEN
+        RAISE EXCEPTION 'payload must be a JSON object' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF key = '' OR length(key) > 255 THEN
+        RAISE EXCEPTION 'key must be 1 to 255 characters (NULL for none)' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF max_attempts IS NULL THEN
+        RAISE EXCEPTION 'max_attempts must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF max_attempts NOT BETWEEN 1 AND 1000 THEN
+        RAISE EXCEPTION 'max_attempts must be between 1 and 1000' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF run_at IS NOT NULL AND NOT isfinite(run_at) THEN
+        RAISE EXCEPTION 'run_at must be a finite time' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'a job at infinity would never run; NULL means now';
+    END IF;
+    IF NOT outbox._may(queue, who, 'enqueue') THEN
+        PERFORM outbox._use_queue(queue, who, 'enqueue');
+    END IF;
+    INSERT INTO outbox.jobs AS j (queue, payload, key, run_at, max_attempts)
+    VALUES (queue, coalesce(payload, '{}'), key, coalesce(run_at, now()), max_attempts)
+    ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL DO NOTHING
+    RETURNING j.id INTO job;
+    IF job IS NULL THEN
+        -- The key is already waiting: that job stands for this one.
+        SELECT j.id INTO job FROM outbox.jobs j
+         WHERE j.queue = _enqueue.queue AND j.key = _enqueue.key AND j.state = 'waiting' AND j.subscription IS NULL;
+    END IF;
+    RETURN job;
+END
+$$;
+
+-- outbox.claim() (src/queue.rs) for the role `who`: up to max_jobs due jobs of a queue, in
+-- run_at order, skipping jobs others hold. A queue that does not exist has no jobs to claim.
+--
+-- With a lease (the default), each job is marked running until lease_until and its attempt is
+-- counted: the claim commits, the worker works with no transaction open, then completes or fails
+-- the job; a worker that dies loses the lease and the job is claimed again when it lapses.
+--
+-- With lease => NULL, nothing is written: the jobs are held by the caller's transaction (row locks,
+-- FOR UPDATE SKIP LOCKED) until it ends. Complete or fail them in that transaction; if it rolls
+-- back or the connection dies they are free at once. Half the writes of a lease (the attempt is
+-- counted only by fail()), for workers whose jobs are short enough to hold a transaction open.
+-- claim, complete and complete_many are the hot path of every external worker. They do not pin
+-- search_path (the save and restore cost 5-10% of a claim) and qualify every name they use:
+-- tables, functions, types and operators (OPERATOR(pg_catalog.=)). Keep it so when editing them.
+CREATE FUNCTION outbox._claim(queue text, max_jobs integer, lease interval, who oid)
+RETURNS SETOF outbox.job
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    -- Only a name that fails the rule pays for the call that explains why.
+    IF queue IS NULL OR queue OPERATOR(pg_catalog.!~) '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$' THEN
+        PERFORM outbox._check_queue(queue);
+    END IF;
+    IF max_jobs IS NULL THEN
+        RAISE EXCEPTION 'max_jobs must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF max_jobs OPERATOR(pg_catalog.<) 1 OR max_jobs OPERATOR(pg_catalog.>) 1000 THEN
+        RAISE EXCEPTION 'max_jobs must be between 1 and 1000' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF lease OPERATOR(pg_catalog.<=) '0' OR lease OPERATOR(pg_catalog.>) '1 day' THEN
+        RAISE EXCEPTION 'lease must be positive and at most a day (or NULL: held by this transaction)'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NOT outbox._may(queue, who, 'work') THEN
+        IF EXISTS (SELECT FROM outbox.queues q WHERE q.name OPERATOR(pg_catalog.=) _claim.queue) THEN
+            PERFORM outbox._check_may(queue, who, 'work');
+        END IF;
+        RETURN;
+    END IF;
+    IF lease IS NULL THEN
+        RETURN QUERY
+        SELECT j.id, j.queue, j.payload, j.key, j.attempts OPERATOR(pg_catalog.+) 1, j.max_attempts,
+               NULL::pg_catalog.timestamptz, j.created_at, j.event, j.subscription
+          FROM outbox.jobs j
+         WHERE j.queue OPERATOR(pg_catalog.=) _claim.queue AND j.state OPERATOR(pg_catalog.=) 'waiting'
+           AND j.run_at OPERATOR(pg_catalog.<=) pg_catalog.now() AND j.handler IS NULL
+         ORDER BY j.run_at, j.id
+         LIMIT max_jobs
+           FOR UPDATE SKIP LOCKED;
+        RETURN;
+    END IF;
+    -- Waiting jobs that are due, and running jobs whose lease lapsed (their worker died).
+    RETURN QUERY
+    WITH c AS (
+        SELECT j.id FROM outbox.jobs j
+         WHERE j.queue OPERATOR(pg_catalog.=) _claim.queue AND j.state OPERATOR(pg_catalog.<>) 'dead'
+           AND j.run_at OPERATOR(pg_catalog.<=) pg_catalog.now()
+           AND (j.state OPERATOR(pg_catalog.=) 'waiting' OR j.lease_until OPERATOR(pg_catalog.<) pg_catalog.now())
+           AND j.handler IS NULL
+         ORDER BY j.run_at, j.id
+         LIMIT max_jobs
+           FOR UPDATE SKIP LOCKED)
+    UPDATE outbox.jobs j SET state = 'running', lease_until = pg_catalog.now() OPERATOR(pg_catalog.+) lease,
+           attempts = j.attempts OPERATOR(pg_catalog.+) 1
+      FROM c WHERE j.id OPERATOR(pg_catalog.=) c.id
+    RETURNING j.id, j.queue, j.payload, j.key, j.attempts, j.max_attempts, j.lease_until, j.created_at,
+              j.event, j.subscription;
+END
+$$;
+
+-- outbox.complete_many() (src/queue.rs) for the role `who`: one statement for all the jobs.
+-- Returns how many were completed (jobs not running under a lease nor held by this transaction
+-- are left alone). A job of a queue `who` may not work fails the whole call (42501), checked
+-- once per queue after the delete, which the error then undoes.
+CREATE FUNCTION outbox._complete_many(jobs bigint[], who oid) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    n integer;
+    denied text;
+BEGIN
+    IF jobs IS NULL THEN
+        RAISE EXCEPTION 'jobs must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- Running under a lease, or held by this transaction (claimed with lease => NULL: the row's
+    -- xmax is our lock). A job another transaction holds does not match: no waiting for it.
+    WITH done AS (
+        DELETE FROM outbox.jobs j
+         WHERE j.id OPERATOR(pg_catalog.=) ANY (jobs)
+           AND (j.state OPERATOR(pg_catalog.=) 'running'
+                OR (j.state OPERATOR(pg_catalog.=) 'waiting' AND j.xmax OPERATOR(pg_catalog.=) outbox._my_xid()))
+        RETURNING j.queue
+    ), per_queue AS (
+        SELECT d.queue, pg_catalog.count(*) AS n FROM done d GROUP BY d.queue)
+    SELECT coalesce(pg_catalog.sum(p.n), 0)::pg_catalog.int4,
+           pg_catalog.min(p.queue) FILTER (WHERE NOT outbox._may(p.queue, who, 'work'))
+      INTO n, denied
+      FROM per_queue p;
+    IF denied IS NOT NULL THEN
+        PERFORM outbox._check_may(denied, who, 'work');
+    END IF;
+    RETURN n;
+END
+$$;
+
+-- Refuses (42501) unless `who` may work the queue of job `job`; false when there is no such job.
+-- Takes no lock (a job never changes queue): the callers lock what they change, and a job another
+-- transaction holds must not make them wait.
+CREATE FUNCTION outbox._check_job(job bigint, who oid) RETURNS boolean
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    q text;
+BEGIN
+    SELECT j.queue INTO q FROM outbox.jobs j WHERE j.id = job;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM outbox._check_may(q, who, 'work');
+    RETURN true;
+END
+$$;
+
+CREATE FUNCTION outbox._fail(job bigint, error text, retry boolean, who oid) RETURNS text
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    j outbox.jobs;
+BEGIN
+    IF job IS NULL OR retry IS NULL THEN
+        RAISE EXCEPTION 'job and retry must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    PERFORM outbox._check_job(job, who);
+    SELECT * INTO j FROM outbox.jobs jj
+     WHERE jj.id = job AND (jj.state = 'running' OR (jj.state = 'waiting' AND jj.xmax = outbox._my_xid()))
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'job % is not running', job USING ERRCODE = 'object_not_in_prerequisite_state',
+            HINT = 'claim it first; a job whose lease lapsed may have been claimed again';
+    END IF;
+    IF j.state = 'waiting' THEN
+        -- Held by this transaction (no lease): this failure is the attempt.
+        j.attempts := j.attempts + 1;
+        UPDATE outbox.jobs SET attempts = j.attempts WHERE id = job;
+    END IF;
+    IF retry AND j.attempts < j.max_attempts THEN
+        -- 1 s doubling, capped at an hour.
+        UPDATE outbox.jobs SET state = 'waiting', lease_until = NULL, last_error = error,
+               run_at = now() + least(interval '1 second' * power(2, least(j.attempts - 1, 20)), interval '1 hour')
+         WHERE id = job;
+        RETURN 'waiting';
+    END IF;
+    UPDATE outbox.jobs SET state = 'dead', lease_until = NULL, last_error = error WHERE id = job;
+    RETURN 'dead';
+END
+$$;
+
+CREATE FUNCTION outbox._extend(job bigint, lease interval, who oid) RETURNS boolean
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF job IS NULL OR lease IS NULL THEN
+        RAISE EXCEPTION 'job and lease must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF lease <= '0' OR lease > '1 day' THEN
+        RAISE EXCEPTION 'lease must be positive and at most a day' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM outbox._check_job(job, who);
+    UPDATE outbox.jobs SET lease_until = now() + lease WHERE id = job AND state = 'running';
+    RETURN FOUND;
+END
+$$;
+
+CREATE FUNCTION outbox._replay_job(job bigint, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF job IS NULL THEN
+        RAISE EXCEPTION 'job must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF NOT outbox._check_job(job, who) THEN
+        RAISE EXCEPTION 'job % does not exist', job USING ERRCODE = 'undefined_object';
+    END IF;
+    UPDATE outbox.jobs SET state = 'waiting', attempts = 0, run_at = now(), lease_until = NULL
+     WHERE id = job AND state = 'dead';
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'job % is not dead', job USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    RAISE LOG 'pg_outbox: job % replayed by role %', job, who::regrole;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._schedule(name text, every interval, daily_at time, zone text, weekly_on text,
+                                 topic text, queue text, payload jsonb, owner oid)
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    forms      constant text := 'outbox.schedule(name, every => ''5 minutes'', ...) or '
+        'outbox.schedule(name, daily_at => ''02:30'', zone => ''Europe/Berlin'', weekly_on => ''monday'', ...) '
+        '(weekly_on is optional)';
+    tz         text;
+    dow        smallint;
+    first_run  timestamptz;
+BEGIN
+    IF name IS NULL THEN
+        RAISE EXCEPTION 'schedule name must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- The same rule as queue, consumer and sink names (pg_outbox_core::name).
+    IF name !~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$' THEN
+        RAISE EXCEPTION 'invalid schedule name "%"', name USING ERRCODE = 'invalid_name',
+            HINT = 'a schedule name is 1 to 63 letters, digits, ''_'', ''-'' or ''.'', starting with a letter or digit';
+    END IF;
+    IF owner IS NULL THEN
+        RAISE EXCEPTION 'owner must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+
+    IF every IS NULL AND daily_at IS NULL AND (zone IS NOT NULL OR weekly_on IS NOT NULL) THEN
+        RAISE EXCEPTION '% needs daily_at', CASE WHEN zone IS NOT NULL THEN 'zone' ELSE 'weekly_on' END
+            USING ERRCODE = 'invalid_parameter_value', HINT = forms;
+    END IF;
+    IF every IS NULL AND daily_at IS NULL THEN
+        RAISE EXCEPTION 'a schedule needs every or daily_at' USING ERRCODE = 'invalid_parameter_value',
+            HINT = forms;
+    END IF;
+    IF every IS NOT NULL AND daily_at IS NOT NULL THEN
+        RAISE EXCEPTION 'a schedule has either every or daily_at, not both' USING ERRCODE = 'invalid_parameter_value',
+            HINT = forms;
+    END IF;
+
+    IF every IS NOT NULL THEN
+        IF zone IS NOT NULL OR weekly_on IS NOT NULL THEN
+            RAISE EXCEPTION '% goes with daily_at, not with every', CASE WHEN zone IS NOT NULL THEN 'zone' ELSE 'weekly_on' END
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'every is a fixed length that ignores clocks; for a local time use daily_at and zone';
+        END IF;
+        IF extract(year FROM every) <> 0 OR extract(month FROM every) <> 0 THEN
+            RAISE EXCEPTION 'every must not have months or years, not %', every
+                USING ERRCODE = 'invalid_parameter_value',
+                      DETAIL = 'Months have no fixed length, and every is a fixed length.',
+                      HINT = 'use days (''30 days''), or daily_at with weekly_on for calendar times';
+        END IF;
+        IF extract(epoch FROM every) <= 0 THEN
+            RAISE EXCEPTION 'every must be positive, not %', every USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF extract(epoch FROM every) < 1 THEN
+            RAISE EXCEPTION 'every must be at least 1 second, not %', every USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        -- A bound far beyond any real schedule, so that next_run can never leave the timestamp
+        -- range: the overflow would fail the firing statement, and with it every schedule.
+        IF extract(epoch FROM every) > 3650 * 86400 THEN
+            RAISE EXCEPTION 'every must be at most 3650 days, not %', every USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+    ELSE
+        IF zone IS NULL THEN
+            RAISE EXCEPTION 'daily_at needs a zone' USING ERRCODE = 'invalid_parameter_value',
+                HINT = 'a time zone name such as ''America/New_York'' or ''UTC'' (see pg_timezone_names)';
+        END IF;
+        -- time accepts 24:00, the next day's midnight: it would run on the day after weekly_on.
+        IF daily_at >= '24:00' THEN
+            RAISE EXCEPTION 'daily_at must be before 24:00' USING ERRCODE = 'invalid_parameter_value',
+                HINT = 'use 00:00 for midnight';
+        END IF;
+        -- Names only: an abbreviation ('PST') or an offset ('+02', 'UTC+3') is a fixed offset,
+        -- not a zone's rules, and POSIX strings read signs backwards. Case is forgiven, as
+        -- PostgreSQL does; the zone's own spelling is stored.
+        SELECT z.name INTO tz FROM pg_timezone_names z WHERE z.name = zone;
+        IF tz IS NULL THEN
+            SELECT min(z.name) INTO tz FROM pg_timezone_names z WHERE lower(z.name) = lower(zone);
+        END IF;
+        IF tz IS NULL THEN
+            RAISE EXCEPTION 'unknown time zone "%"', zone USING ERRCODE = 'invalid_parameter_value',
+                HINT = 'use a zone name from pg_timezone_names, such as ''Europe/Berlin'' or ''UTC''; '
+                       'abbreviations such as ''PST'' and offsets such as ''+02'' are not zones';
+        END IF;
+        IF weekly_on IS NOT NULL THEN
+            SELECT (d.n - 1)::smallint INTO dow
+              FROM unnest(ARRAY['sunday', 'monday', 'tuesday', 'wednesday', 'thursday', 'friday', 'saturday'])
+                   WITH ORDINALITY AS d(day, n)
+             WHERE lower(weekly_on) IN (d.day, left(d.day, 3));
+            IF dow IS NULL THEN
+                RAISE EXCEPTION 'invalid weekly_on "%"', weekly_on USING ERRCODE = 'invalid_parameter_value',
+                    HINT = 'a day of the week: sunday, monday, tuesday, wednesday, thursday, friday or saturday, '
+                           'or its first three letters (''mon'')';
+            END IF;
+        END IF;
+    END IF;
+
+    IF topic IS NULL AND queue IS NULL THEN
+        RAISE EXCEPTION 'a schedule needs a topic or a queue' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'topic => ''...'' raises an event at each run; queue => ''...'' queues a job';
+    END IF;
+    IF topic IS NOT NULL AND queue IS NOT NULL THEN
+        RAISE EXCEPTION 'a schedule has either a topic or a queue, not both' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'topic => ''...'' raises an event at each run; queue => ''...'' queues a job';
+    END IF;
+    IF queue IS NOT NULL THEN
+        PERFORM outbox._check_queue(queue);
+    END IF;
+    -- NULL means {}, as in raise() and enqueue().
+    IF payload IS NOT NULL AND jsonb_typeof(payload) <> 'object' THEN
+        RAISE EXCEPTION 'payload must be a JSON object' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'wrap the value in an object, e.g. {"value": ...}; NULL means {}';
+    END IF;
+
+    IF queue IS NOT NULL THEN
+        -- Its runs queue jobs as the owner: the owner must be allowed to (the queue is created,
+        -- owned by the owner, if it does not exist yet).
+        PERFORM outbox._use_queue(queue, owner, 'enqueue');
+    END IF;
+    first_run := outbox._next_run(every, daily_at, tz, dow, now(), NULL);
+    -- ON CONFLICT rather than a look first: of two sessions creating one name at once, the second
+    -- waits for the first and then gets the clear error, not a unique violation.
+    INSERT INTO outbox.schedules AS s (name, every, daily_at, zone, weekly_on, topic, queue, payload, owner, next_run)
+    VALUES (name, every, daily_at, tz, dow, topic, queue, coalesce(payload, '{}'), owner, first_run)
+    ON CONFLICT ON CONSTRAINT schedules_pkey DO NOTHING;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'schedule "%" already exists', name USING ERRCODE = 'duplicate_object',
+            HINT = 'outbox.unschedule() it first to change it';
+    END IF;
+    RETURN first_run;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._fire_schedules() RETURNS integer
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    n integer;
+    denied text[];
+    d text;
+BEGIN
+    WITH due AS (
+        SELECT s.name, s.next_run
+          FROM outbox.schedules s
+         WHERE s.next_run <= now()
+           FOR UPDATE SKIP LOCKED
+    ), fired AS (
+        UPDATE outbox.schedules s
+           SET next_run = outbox._next_run(s.every, s.daily_at, s.zone, s.weekly_on, now(), due.next_run),
+               last_run = now(),
+               fired = s.fired + 1
+          FROM due
+         WHERE s.name = due.name
+        RETURNING s.name, s.topic, s.queue, s.payload, s.owner,
+                  to_char(due.next_run AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS scheduled_for,
+                  CASE WHEN s.topic IS NOT NULL
+                       THEN has_function_privilege(s.owner, 'outbox.raise(text, jsonb, text, text, jsonb)', 'EXECUTE')
+                       ELSE has_function_privilege(s.owner, 'outbox.enqueue(text, jsonb, timestamptz, text, integer)', 'EXECUTE')
+                            AND outbox._may(s.queue, s.owner, 'enqueue')
+                  END AS allowed
+    )
+    -- count(x) evaluates x for every row: each run writes once. raise() and _enqueue() never
+    -- return NULL here (a key is one run, so _enqueue never meets another run's job).
+    SELECT count(CASE WHEN NOT f.allowed THEN NULL
+                      WHEN f.topic IS NOT NULL
+                      THEN outbox.raise(f.topic, f.payload, NULL, NULL,
+                                        jsonb_build_object('schedule', f.name, 'scheduled_for', f.scheduled_for))::text
+                      ELSE outbox._enqueue(f.queue, f.payload, NULL, f.name || '@' || f.scheduled_for, 10, f.owner)::text
+                 END),
+           array_agg(format('schedule "%s" skipped a run: its owner %s may no longer write to %s',
+                            f.name, f.owner::regrole, coalesce('topic ' || f.topic, 'queue ' || f.queue)))
+               FILTER (WHERE NOT f.allowed)
+      INTO n, denied
+      FROM fired f;
+    FOREACH d IN ARRAY coalesce(denied, '{}') LOOP
+        RAISE WARNING 'pg_outbox: %', d USING HINT = 'grant the right back, or outbox.unschedule() it';
+    END LOOP;
+    RETURN n;
+END
+$$;
+
+-- The calls, now SECURITY INVOKER in src/queue.rs. OR REPLACE keeps their grants.
+CREATE OR REPLACE FUNCTION outbox."enqueue"(
+	"queue" TEXT,
+	"payload" jsonb DEFAULT '{}',
+	"run_at" timestamp with time zone DEFAULT NULL,
+	"key" TEXT DEFAULT NULL,
+	"max_attempts" INT DEFAULT 10
+) RETURNS bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'enqueue_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox."claim"(
+	"queue" TEXT,
+	"max_jobs" INT DEFAULT 1,
+	"lease" interval DEFAULT '30 seconds'
+) RETURNS SETOF outbox.job
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'claim_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox."complete"(
+	"job" bigint
+) RETURNS bool
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'complete_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox."complete_many"(
+	"jobs" bigint[]
+) RETURNS INT
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'complete_many_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox."fail"(
+	"job" bigint,
+	"error" TEXT DEFAULT NULL,
+	"retry" bool DEFAULT true
+) RETURNS TEXT
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'fail_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox."extend"(
+	"job" bigint,
+	"lease" interval DEFAULT '30 seconds'
+) RETURNS bool
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'extend_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox."replay_job"(
+	"job" bigint
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'replay_job_wrapper';
+
+CREATE FUNCTION outbox."create_queue"(
+	"name" TEXT
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'create_queue_wrapper';
+
+CREATE FUNCTION outbox."drop_queue"(
+	"name" TEXT,
+	"drop_jobs" bool DEFAULT false
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'drop_queue_wrapper';
+
+CREATE FUNCTION outbox."grant_queue"(
+	"queue" TEXT,
+	"role" regrole,
+	"enqueue" bool DEFAULT true,
+	"work" bool DEFAULT true
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'grant_queue_wrapper';
+
+CREATE FUNCTION outbox."revoke_queue"(
+	"queue" TEXT,
+	"role" regrole,
+	"enqueue" bool DEFAULT true,
+	"work" bool DEFAULT true
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'revoke_queue_wrapper';
+
+-- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install). Only the new
+-- objects: a REVOKE on the others would record the grants users made on them as the
+-- extension's own initial privileges, and pg_dump would then leave those grants out.
+REVOKE ALL ON TABLE outbox.queues, outbox.queue_grants FROM PUBLIC;
+DO $$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid FROM pg_catalog.pg_proc p
+              WHERE p.pronamespace = 'outbox'::pg_catalog.regnamespace AND p.proacl IS NULL LOOP
+        EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+END
+$$;
+
+-- The queues that exist, and who keeps what on them.
+DO $$
+DECLARE
+    log_owner oid := (SELECT c.relowner FROM pg_catalog.pg_class c WHERE c.oid = 'outbox.events'::pg_catalog.regclass);
+    queues bigint;
+    grants bigint;
+BEGIN
+    -- A subscription's queue: its owner's (the oldest subscription's, if several feed one queue).
+    INSERT INTO outbox.queues (name, owner)
+    SELECT DISTINCT ON (s.queue) s.queue, c.owner
+      FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name
+     ORDER BY s.queue, s.created_at, s.name
+    ON CONFLICT DO NOTHING;
+    INSERT INTO outbox.queues (name, owner)
+    SELECT DISTINCT ON (s.queue) s.queue, s.owner
+      FROM outbox.schedules s WHERE s.queue IS NOT NULL
+     ORDER BY s.queue, s.created_at, s.name
+    ON CONFLICT DO NOTHING;
+    INSERT INTO outbox.queues (name, owner)
+    SELECT DISTINCT j.queue, log_owner FROM outbox.jobs j
+    ON CONFLICT DO NOTHING;
+    -- Other subscriptions and schedules feeding a queue keep doing so.
+    INSERT INTO outbox.queue_grants AS g (queue, grantee, enqueue, work)
+    SELECT DISTINCT f.queue, f.owner, true, false
+      FROM (SELECT s.queue, c.owner FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name
+            UNION
+            SELECT s.queue, s.owner FROM outbox.schedules s WHERE s.queue IS NOT NULL) f
+      JOIN outbox.queues q ON q.name = f.queue
+     WHERE NOT pg_catalog.pg_has_role(f.owner, q.owner, 'USAGE')
+    ON CONFLICT ON CONSTRAINT queue_grants_pkey DO UPDATE SET enqueue = true;
+    -- Every role granted EXECUTE on enqueue() or claim() could use every queue.
+    INSERT INTO outbox.queue_grants AS g (queue, grantee, enqueue, work)
+    SELECT q.name, r.grantee, pg_catalog.bool_or(r.f = 'enqueue'), pg_catalog.bool_or(r.f = 'claim')
+      FROM outbox.queues q
+     CROSS JOIN (SELECT a.grantee, p.proname::text AS f
+                   FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+                  WHERE p.oid IN ('outbox.enqueue(text, jsonb, timestamptz, text, integer)'::pg_catalog.regprocedure,
+                                  'outbox.claim(text, integer, interval)'::pg_catalog.regprocedure)
+                    AND a.privilege_type = 'EXECUTE' AND a.grantee <> 0) r
+     WHERE NOT EXISTS (SELECT FROM outbox.subscriptions s WHERE s.queue = q.name AND s.handler IS NOT NULL)
+       AND NOT pg_catalog.pg_has_role(r.grantee, q.owner, 'USAGE')
+     GROUP BY q.name, r.grantee
+    ON CONFLICT ON CONSTRAINT queue_grants_pkey
+    DO UPDATE SET enqueue = g.enqueue OR excluded.enqueue, work = g.work OR excluded.work;
+    SELECT pg_catalog.count(*) INTO queues FROM outbox.queues;
+    SELECT pg_catalog.count(*) INTO grants FROM outbox.queue_grants;
+    IF queues > 0 THEN
+        RAISE NOTICE 'pg_outbox 0.2.0: job queues now have owners; the % existing queues keep the access of 0.1.0 (% grants)', queues, grants
+            USING HINT = 'review them with SELECT * FROM outbox.queue_privileges(); narrow them with outbox.revoke_queue()';
+    END IF;
+END
+$$;

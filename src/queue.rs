@@ -1,0 +1,262 @@
+//! Job queues and who may use them: `create_queue`, `drop_queue`, `grant_queue`, `revoke_queue`,
+//! and the job calls that act on a queue's jobs (`enqueue`, `claim`, `complete`, `complete_many`,
+//! `fail`, `extend`, `replay_job`).
+//!
+//! Each is SECURITY INVOKER: it reads the caller (`current_user`, as PostgreSQL's own privilege
+//! checks do, so a SECURITY DEFINER function of another role acts as that role), then calls the
+//! matching `outbox._<name>(..., who)` of `src/sql/jobs.sql` as the owner of the log. Those check
+//! what `who` may do on the queue. They are SECURITY INVOKER too, and only the log's owner may read
+//! the tables, so calling them directly gets a role nothing it could not do itself.
+
+use crate::error::OrReport;
+use crate::owner::{as_owner, caller};
+use crate::raw::{RawJsonb, RawRegrole};
+use pgrx::callconv::{BoxRet, FcInfo};
+use pgrx::datum::{Datum, DatumWithOid};
+use pgrx::pgrx_sql_entity_graph::metadata::{
+    ArgumentError, ReturnsError, ReturnsRef, SqlMappingRef, SqlTranslatable, TypeOrigin,
+};
+use pgrx::prelude::*;
+use pgrx::{IntoDatum, PgMemoryContexts};
+
+/// Runs `SELECT outbox._<function>(args..., who)` as the log's owner, with the caller as `who`,
+/// and returns its one value.
+fn call<T: pgrx::FromDatum + IntoDatum>(sql: &str, mut args: Vec<DatumWithOid<'_>>) -> Option<T> {
+    args.push(DatumWithOid::from(caller()));
+    as_owner(|| Spi::get_one_with_args::<T>(sql, &args)).unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+/// `call` for a function that returns nothing.
+fn run(sql: &str, mut args: Vec<DatumWithOid<'_>>) {
+    args.push(DatumWithOid::from(caller()));
+    as_owner(|| Spi::run_with_args(sql, &args)).unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+/// A row of type `outbox.job`, copied out of SPI into the memory of the set-returning call.
+pub struct Job(pg_sys::Datum);
+
+// SAFETY: the datum is a composite of type outbox.job, which the function declares it returns.
+unsafe impl BoxRet for Job {
+    unsafe fn box_into<'fcx>(self, fcinfo: &mut FcInfo<'fcx>) -> Datum<'fcx> {
+        // SAFETY: the caller returns this datum from the function, as BoxRet requires.
+        unsafe { fcinfo.return_raw_datum(self.0) }
+    }
+}
+
+// SAFETY: the SQL type named here is the composite the datum holds.
+unsafe impl SqlTranslatable for Job {
+    const TYPE_IDENT: &'static str = pgrx::pgrx_resolved_type!(Job);
+    const TYPE_ORIGIN: TypeOrigin = TypeOrigin::External;
+    const ARGUMENT_SQL: Result<SqlMappingRef, ArgumentError> =
+        Ok(SqlMappingRef::literal("outbox.job"));
+    const RETURN_SQL: Result<ReturnsRef, ReturnsError> =
+        Ok(ReturnsRef::SetOf(SqlMappingRef::literal("outbox.job")));
+}
+
+/// Creates the queue `name`, owned by the caller. 42710 if it exists. (`enqueue` and
+/// `subscribe` create a queue they name that does not exist yet; this reserves a name first.)
+#[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
+fn create_queue(name: Option<&str>) {
+    run(
+        "SELECT outbox._create_queue($1, $2)",
+        vec![DatumWithOid::from(name)],
+    );
+}
+
+/// Drops the queue `name`; only members of its owner may. Refused while a subscription or a
+/// schedule queues jobs on it, or while it holds jobs (unless `drop_jobs`).
+#[pg_extern(volatile, parallel_unsafe, requires = ["subscriptions", "schedules"])]
+fn drop_queue(name: Option<&str>, drop_jobs: default!(Option<bool>, "false")) {
+    run(
+        "SELECT outbox._drop_queue($1, $2, $3)",
+        vec![DatumWithOid::from(name), DatumWithOid::from(drop_jobs)],
+    );
+}
+
+/// Lets `role` (and its members) enqueue jobs on `queue` and/or work them (claim, complete, fail,
+/// extend, replay). Only members of the queue's owner may grant. Adds to what was granted before.
+#[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
+fn grant_queue(
+    queue: Option<&str>,
+    role: Option<RawRegrole>,
+    enqueue: default!(Option<bool>, "true"),
+    work: default!(Option<bool>, "true"),
+) {
+    run(
+        "SELECT outbox._grant_queue($1, $2, $3, $4, $5)",
+        vec![
+            DatumWithOid::from(queue),
+            DatumWithOid::from(role.map(RawRegrole::oid)),
+            DatumWithOid::from(enqueue),
+            DatumWithOid::from(work),
+        ],
+    );
+}
+
+/// Takes back what `grant_queue` gave `role` on `queue` (the privileges passed as true).
+#[pg_extern(volatile, parallel_unsafe, requires = ["subscriptions", "schedules"])]
+fn revoke_queue(
+    queue: Option<&str>,
+    role: Option<RawRegrole>,
+    enqueue: default!(Option<bool>, "true"),
+    work: default!(Option<bool>, "true"),
+) {
+    run(
+        "SELECT outbox._revoke_queue($1, $2, $3, $4, $5)",
+        vec![
+            DatumWithOid::from(queue),
+            DatumWithOid::from(role.map(RawRegrole::oid)),
+            DatumWithOid::from(enqueue),
+            DatumWithOid::from(work),
+        ],
+    );
+}
+
+/// Queues a job on `queue` with `payload`, due at `run_at` (NULL: now). A `key` is queued once
+/// while its job waits: enqueueing it again returns the waiting job. Returns the job's id.
+#[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
+fn enqueue(
+    queue: Option<&str>,
+    payload: default!(Option<RawJsonb>, "'{}'"),
+    run_at: default!(Option<TimestampWithTimeZone>, "NULL"),
+    key: default!(Option<&str>, "NULL"),
+    max_attempts: default!(Option<i32>, "10"),
+) -> Option<i64> {
+    call::<i64>(
+        "SELECT outbox._enqueue($1, $2, $3, $4, $5, $6)",
+        vec![
+            DatumWithOid::from(queue),
+            payload.map_or_else(DatumWithOid::null::<pgrx::JsonB>, |p| {
+                // SAFETY: a jsonb datum typed as jsonb.
+                unsafe { DatumWithOid::new(p.0, pg_sys::JSONBOID) }
+            }),
+            DatumWithOid::from(run_at),
+            DatumWithOid::from(key),
+            DatumWithOid::from(max_attempts),
+        ],
+    )
+}
+
+/// Claims up to `max_jobs` due jobs of `queue` (see `outbox._claim` for leases).
+#[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
+fn claim(
+    queue: Option<&str>,
+    max_jobs: default!(Option<i32>, "1"),
+    lease: default!(Option<Interval>, "'30 seconds'"),
+) -> SetOfIterator<'static, Job> {
+    // The memory of this set-returning call: the rows must outlive SPI's.
+    let target = PgMemoryContexts::CurrentMemoryContext.value();
+    let who = caller();
+    let jobs = as_owner(|| {
+        Spi::connect_mut(|client| {
+            let rows = client.update(
+                "SELECT c FROM outbox._claim($1, $2, $3, $4) c",
+                None,
+                &[
+                    DatumWithOid::from(queue),
+                    DatumWithOid::from(max_jobs),
+                    DatumWithOid::from(lease),
+                    DatumWithOid::from(who),
+                ],
+            )?;
+            let mut jobs = Vec::with_capacity(rows.len());
+            for row in rows {
+                if let Some(datum) = row.get_datum_by_ordinal(1)?.value::<RawDatum>()? {
+                    // SAFETY: a non-null composite datum (a flat varlena), copied whole into the
+                    // call's memory context, which outlives every row this call returns.
+                    let copy = unsafe {
+                        PgMemoryContexts::For(target)
+                            .switch_to(|_| pg_sys::pg_detoast_datum_copy(datum.0.cast_mut_ptr()))
+                    };
+                    jobs.push(Job(pg_sys::Datum::from(copy)));
+                }
+            }
+            Ok::<_, pgrx::spi::Error>(jobs)
+        })
+    })
+    .unwrap_or_else(|e| panic!("claim: {e}"));
+    SetOfIterator::new(jobs)
+}
+
+/// A datum left as SPI gave it (copied by the caller).
+#[derive(Clone, Copy)]
+struct RawDatum(pg_sys::Datum);
+
+impl pgrx::FromDatum for RawDatum {
+    unsafe fn from_polymorphic_datum(
+        datum: pg_sys::Datum,
+        is_null: bool,
+        _: pg_sys::Oid,
+    ) -> Option<Self> {
+        (!is_null).then_some(RawDatum(datum))
+    }
+}
+
+impl IntoDatum for RawDatum {
+    fn into_datum(self) -> Option<pg_sys::Datum> {
+        Some(self.0)
+    }
+    fn type_oid() -> pg_sys::Oid {
+        pg_sys::RECORDOID
+    }
+    fn is_compatible_with(_: pg_sys::Oid) -> bool {
+        true
+    }
+}
+
+/// Completes a job this caller holds (claimed with a lease, or with `lease => NULL` in this
+/// transaction): deletes it. False when it is not running (its lease lapsed and someone else
+/// took it, say).
+#[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
+fn complete(job: Option<i64>) -> bool {
+    let job = pg_outbox_core::required(job, "job").or_report();
+    call::<i32>(
+        "SELECT outbox._complete_many(ARRAY[$1], $2)",
+        vec![DatumWithOid::from(job)],
+    ) == Some(1)
+}
+
+/// `complete` for many jobs in one statement; returns how many were completed.
+#[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
+fn complete_many(jobs: Option<Vec<Option<i64>>>) -> Option<i32> {
+    call::<i32>(
+        "SELECT outbox._complete_many($1, $2)",
+        vec![DatumWithOid::from(jobs)],
+    )
+}
+
+/// Fails a job this caller holds: back to waiting with a back-off while attempts remain and
+/// `retry`, else dead. Returns its new state.
+#[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
+fn fail(
+    job: Option<i64>,
+    error: default!(Option<&str>, "NULL"),
+    retry: default!(Option<bool>, "true"),
+) -> Option<String> {
+    call::<String>(
+        "SELECT outbox._fail($1, $2, $3, $4)",
+        vec![
+            DatumWithOid::from(job),
+            DatumWithOid::from(error),
+            DatumWithOid::from(retry),
+        ],
+    )
+}
+
+/// Extends the lease of a running job; false when it is not running.
+#[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
+fn extend(job: Option<i64>, lease: default!(Option<Interval>, "'30 seconds'")) -> Option<bool> {
+    call::<bool>(
+        "SELECT outbox._extend($1, $2, $3)",
+        vec![DatumWithOid::from(job), DatumWithOid::from(lease)],
+    )
+}
+
+/// Puts a dead job back in its queue, with its attempts reset. Logged.
+#[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
+fn replay_job(job: Option<i64>) {
+    run(
+        "SELECT outbox._replay_job($1, $2)",
+        vec![DatumWithOid::from(job)],
+    );
+}

@@ -23,6 +23,8 @@ const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
 pub struct Cluster {
     dir: PathBuf,
     port: u16,
+    /// The PostgreSQL binaries that run it (the system's, or a private tree's).
+    bin: PathBuf,
 }
 
 static CLUSTER: OnceLock<Cluster> = OnceLock::new();
@@ -34,9 +36,10 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// Runs a PostgreSQL binary, as `postgres` when we are root (the server refuses root).
-fn pg_command(bin: &str) -> Command {
-    let path = format!("{PG_BIN}/{bin}");
+/// Runs the PostgreSQL binary `bin` of `dir`, as `postgres` when we are root (the server refuses
+/// root).
+fn pg_command_in(dir: &Path, bin: &str) -> Command {
+    let path = format!("{}/{bin}", dir.display());
     let mut c = if is_root() {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--", &path]);
@@ -84,6 +87,12 @@ impl Cluster {
     /// A throwaway cluster under /tmp/<name>.<pid> with pg_outbox preloaded and `settings` added
     /// to postgresql.conf. Stop it with `stop` (tests' shared cluster stops at process exit).
     pub fn start_with(name: &str, settings: &[&str]) -> Cluster {
+        Cluster::start_with_bin(Path::new(PG_BIN), name, settings)
+    }
+
+    /// `start_with`, running the PostgreSQL binaries in `bin` (a private installation tree: its
+    /// lib and share directories are found next to it, as PostgreSQL finds them).
+    pub fn start_with_bin(bin: &Path, name: &str, settings: &[&str]) -> Cluster {
         let dir = PathBuf::from(format!("/tmp/{name}.{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("creating the cluster directory");
@@ -98,7 +107,7 @@ impl Cluster {
             );
         }
         let data = dir.join("data");
-        let mut initdb = pg_command("initdb");
+        let mut initdb = pg_command_in(bin, "initdb");
         initdb.args([
             "-D",
             data.to_str().unwrap(),
@@ -126,7 +135,7 @@ impl Cluster {
             .open(data.join("postgresql.conf"))
             .and_then(|mut f| std::io::Write::write_all(&mut f, conf.as_bytes()))
             .expect("writing postgresql.conf");
-        let mut start = pg_command("pg_ctl");
+        let mut start = pg_command_in(bin, "pg_ctl");
         start.args([
             "-D",
             data.to_str().unwrap(),
@@ -138,12 +147,16 @@ impl Cluster {
             "start",
         ]);
         run(start, "pg_ctl start");
-        Cluster { dir, port }
+        Cluster {
+            dir,
+            port,
+            bin: bin.to_path_buf(),
+        }
     }
 
     /// Stops the server and deletes its directory.
     pub fn stop(&self) {
-        let mut stop = pg_command("pg_ctl");
+        let mut stop = pg_command_in(&self.bin, "pg_ctl");
         stop.args([
             "-D",
             self.dir.join("data").to_str().unwrap(),
@@ -175,10 +188,15 @@ impl Cluster {
 
     /// `pg_ctl restart -m immediate`: the server stops without a checkpoint, as in a crash.
     pub fn restart_immediate(&self) {
-        let mut stop = pg_command("pg_ctl");
-        stop.args(["-D", &self.data_dir(), "-m", "immediate", "-w", "stop"]);
-        run(stop, "pg_ctl stop -m immediate");
-        let mut start = pg_command("pg_ctl");
+        self.restart("immediate");
+    }
+
+    /// Stops the server (`pg_ctl stop -m <mode>`) and starts it again.
+    pub fn restart(&self, mode: &str) {
+        let mut stop = pg_command_in(&self.bin, "pg_ctl");
+        stop.args(["-D", &self.data_dir(), "-m", mode, "-w", "stop"]);
+        run(stop, "pg_ctl stop");
+        let mut start = pg_command_in(&self.bin, "pg_ctl");
         start.args([
             "-D",
             &self.data_dir(),

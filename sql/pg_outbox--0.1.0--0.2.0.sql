@@ -4,7 +4,8 @@
 -- create_queue, drop_queue, grant_queue, revoke_queue and queue_privileges, and every job call
 -- checks what its caller may do on the queue. Keys given to enqueue() and the keys of fan-out
 -- jobs live in separate namespaces. A schedule run whose owner lost the right to write is
--- skipped, with a WARNING.
+-- skipped, with a WARNING. status() and queue_status() show tenants' error texts only to the
+-- roles that own (or may work) what failed and to members of pg_read_all_stats.
 --
 -- Queues that exist at the upgrade keep the access they had: each belongs to the role of the
 -- subscription or schedule that feeds it (else to the owner of the log), and every role that could
@@ -52,7 +53,8 @@ LANGUAGE sql STABLE AS $$
                       AND pg_catalog.pg_has_role(who, q.owner, 'USAGE'))
         OR privilege OPERATOR(pg_catalog.<>) 'own' AND EXISTS (SELECT FROM outbox.queue_grants g
                     WHERE g.queue OPERATOR(pg_catalog.=) queue
-                      AND CASE privilege WHEN 'enqueue' THEN g.enqueue ELSE g.work END
+                      AND (privilege OPERATOR(pg_catalog.=) 'enqueue' AND g.enqueue
+                           OR privilege OPERATOR(pg_catalog.=) 'work' AND g.work)
                       AND pg_catalog.pg_has_role(who, g.grantee, 'USAGE'))
 $$;
 
@@ -620,6 +622,89 @@ BEGIN
 END
 $$;
 
+-- outbox.status() (src/status.rs) for the role `who`: one row per consumer (pull consumers, sinks,
+-- subscriptions). Error texts come from tenants' code and may quote their data: `who` sees them
+-- for the consumers of roles it acts for, or as a member of pg_read_all_stats (the rule of
+-- pg_stat_activity's query); otherwise '<insufficient privilege>'.
+CREATE FUNCTION outbox._status(who oid)
+RETURNS TABLE (
+    name            text,
+    kind            text,
+    "position"      text,
+    events_behind   bigint,         -- readable events after the cursor
+    age_behind      interval,       -- age of the oldest of them
+    state           text,           -- idle | behind | delivering | backing off | down | paused | held by horizon
+    next_attempt_at timestamptz,
+    attempts        integer,
+    batch_size      integer,
+    last_error      text,
+    last_sqlstate   text,
+    dead_letters    bigint,
+    -- Subscriptions: events that matched (a job each), that the filter turned down, and on which
+    -- the filter failed (counted as false; last_error holds the last such error).
+    matched         bigint,
+    skipped         bigint,
+    predicate_errors bigint
+)
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x),
+         waiting AS (SELECT count(*) AS n FROM outbox.events, h WHERE txid >= h.x)
+    SELECT c.name, c.kind, c.txid::text || ':' || c.seq::text, b.n, now() - b.oldest,
+           CASE WHEN s.paused OR sub.paused THEN 'paused'
+                WHEN s.down THEN 'down'
+                WHEN s.next_attempt_at > now() THEN 'backing off'
+                WHEN b.n > 0 AND c.kind = 'sink' THEN 'delivering'
+                WHEN b.n > 0 THEN 'behind'
+                WHEN waiting.n > 0 THEN 'held by horizon'
+                ELSE 'idle' END,
+           s.next_attempt_at, greatest(s.attempts, s.transient), s.current_batch,
+           CASE WHEN coalesce(s.last_error, sub.last_predicate_error) IS NULL THEN NULL
+                WHEN pg_has_role(who, c.owner, 'USAGE') OR pg_has_role(who, 'pg_read_all_stats', 'USAGE')
+                THEN coalesce(s.last_error, sub.last_predicate_error)
+                ELSE '<insufficient privilege>' END,
+           s.last_sqlstate,
+           (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = c.name),
+           sub.matched, sub.skipped, sub.predicate_errors
+      FROM outbox.consumers c
+      LEFT JOIN outbox.sinks s ON s.id = c.name
+      LEFT JOIN outbox.subscriptions sub ON sub.name = c.name
+     CROSS JOIN h CROSS JOIN waiting
+     CROSS JOIN LATERAL (SELECT count(*) AS n, min(e.raised_at) AS oldest
+                           FROM outbox.events e
+                          WHERE (e.txid, e.seq) > (c.txid, c.seq) AND e.txid < h.x) b
+     ORDER BY c.name
+$$;
+
+-- outbox.queue_status() (src/status.rs) for the role `who`: one row per job queue. A
+-- subscription with a handler queues under its own name. The jobs table holds only unfinished
+-- jobs, so this stays cheap. The last error is shown as in _status(), to roles that may work the
+-- queue.
+CREATE FUNCTION outbox._queue_status(who oid)
+RETURNS TABLE (
+    queue        text,
+    waiting      bigint,        -- never tried, waiting to run (due or not)
+    running      bigint,        -- claimed by an external worker, lease not lapsed
+    retrying     bigint,        -- failed before, waiting for their back-off to end
+    dead         bigint,        -- out of attempts or failed for good: see outbox.dead_jobs
+    oldest_due   interval,      -- how long the oldest due, unclaimed job has waited
+    last_error   text           -- of the most recently failed job
+)
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT j.queue,
+           count(*) FILTER (WHERE j.state = 'waiting' AND j.attempts = 0),
+           count(*) FILTER (WHERE j.state = 'running' AND j.lease_until >= now()),
+           count(*) FILTER (WHERE (j.state = 'waiting' AND j.attempts > 0)
+                               OR (j.state = 'running' AND j.lease_until < now())),
+           count(*) FILTER (WHERE j.state = 'dead'),
+           now() - min(j.run_at) FILTER (WHERE j.state = 'waiting' AND j.run_at <= now()),
+           CASE WHEN outbox._may(j.queue, who, 'work') OR pg_has_role(who, 'pg_read_all_stats', 'USAGE')
+                THEN (array_agg(j.last_error ORDER BY j.id DESC) FILTER (WHERE j.last_error IS NOT NULL))[1]
+                WHEN count(j.last_error) > 0 THEN '<insufficient privilege>' END
+      FROM outbox.jobs j
+     GROUP BY j.queue
+     ORDER BY j.queue
+$$;
+
 -- The calls, now SECURITY INVOKER in src/queue.rs. OR REPLACE keeps their grants.
 CREATE OR REPLACE FUNCTION outbox."enqueue"(
 	"queue" TEXT,
@@ -678,6 +763,40 @@ CREATE OR REPLACE FUNCTION outbox."replay_job"(
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'replay_job_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox."status"() RETURNS TABLE (
+	"name" TEXT,
+	"kind" TEXT,
+	"position" TEXT,
+	"events_behind" bigint,
+	"age_behind" interval,
+	"state" TEXT,
+	"next_attempt_at" timestamp with time zone,
+	"attempts" INT,
+	"batch_size" INT,
+	"last_error" TEXT,
+	"last_sqlstate" TEXT,
+	"dead_letters" bigint,
+	"matched" bigint,
+	"skipped" bigint,
+	"predicate_errors" bigint
+)
+STRICT STABLE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'status_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox."queue_status"() RETURNS TABLE (
+	"queue" TEXT,
+	"waiting" bigint,
+	"running" bigint,
+	"retrying" bigint,
+	"dead" bigint,
+	"oldest_due" interval,
+	"last_error" TEXT
+)
+STRICT STABLE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'queue_status_wrapper';
 
 CREATE FUNCTION outbox."create_queue"(
 	"name" TEXT

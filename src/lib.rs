@@ -23,6 +23,7 @@ mod schedule;
 mod secrets;
 mod settings;
 mod sink;
+mod status;
 mod subscription;
 mod transaction;
 mod worker;

@@ -1,5 +1,8 @@
--- outbox.status(): one row per consumer (pull consumers, sinks, subscriptions), for operators.
-CREATE FUNCTION outbox.status()
+-- outbox.status() (src/status.rs) for the role `who`: one row per consumer (pull consumers, sinks,
+-- subscriptions). Error texts come from tenants' code and may quote their data: `who` sees them
+-- for the consumers of roles it acts for, or as a member of pg_read_all_stats (the rule of
+-- pg_stat_activity's query); otherwise '<insufficient privilege>'.
+CREATE FUNCTION outbox._status(who oid)
 RETURNS TABLE (
     name            text,
     kind            text,
@@ -19,7 +22,7 @@ RETURNS TABLE (
     skipped         bigint,
     predicate_errors bigint
 )
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x),
          waiting AS (SELECT count(*) AS n FROM outbox.events, h WHERE txid >= h.x)
     SELECT c.name, c.kind, c.txid::text || ':' || c.seq::text, b.n, now() - b.oldest,
@@ -31,7 +34,11 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
                 WHEN waiting.n > 0 THEN 'held by horizon'
                 ELSE 'idle' END,
            s.next_attempt_at, greatest(s.attempts, s.transient), s.current_batch,
-           coalesce(s.last_error, sub.last_predicate_error), s.last_sqlstate,
+           CASE WHEN coalesce(s.last_error, sub.last_predicate_error) IS NULL THEN NULL
+                WHEN pg_has_role(who, c.owner, 'USAGE') OR pg_has_role(who, 'pg_read_all_stats', 'USAGE')
+                THEN coalesce(s.last_error, sub.last_predicate_error)
+                ELSE '<insufficient privilege>' END,
+           s.last_sqlstate,
            (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = c.name),
            sub.matched, sub.skipped, sub.predicate_errors
       FROM outbox.consumers c
@@ -44,9 +51,11 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
      ORDER BY c.name
 $$;
 
--- outbox.queue_status(): one row per job queue. A subscription with a handler queues under its
--- own name. The jobs table holds only unfinished jobs, so this stays cheap.
-CREATE FUNCTION outbox.queue_status()
+-- outbox.queue_status() (src/status.rs) for the role `who`: one row per job queue. A
+-- subscription with a handler queues under its own name. The jobs table holds only unfinished
+-- jobs, so this stays cheap. The last error is shown as in _status(), to roles that may work the
+-- queue.
+CREATE FUNCTION outbox._queue_status(who oid)
 RETURNS TABLE (
     queue        text,
     waiting      bigint,        -- never tried, waiting to run (due or not)
@@ -56,7 +65,7 @@ RETURNS TABLE (
     oldest_due   interval,      -- how long the oldest due, unclaimed job has waited
     last_error   text           -- of the most recently failed job
 )
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT j.queue,
            count(*) FILTER (WHERE j.state = 'waiting' AND j.attempts = 0),
            count(*) FILTER (WHERE j.state = 'running' AND j.lease_until >= now()),
@@ -64,7 +73,9 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
                                OR (j.state = 'running' AND j.lease_until < now())),
            count(*) FILTER (WHERE j.state = 'dead'),
            now() - min(j.run_at) FILTER (WHERE j.state = 'waiting' AND j.run_at <= now()),
-           (array_agg(j.last_error ORDER BY j.id DESC) FILTER (WHERE j.last_error IS NOT NULL))[1]
+           CASE WHEN outbox._may(j.queue, who, 'work') OR pg_has_role(who, 'pg_read_all_stats', 'USAGE')
+                THEN (array_agg(j.last_error ORDER BY j.id DESC) FILTER (WHERE j.last_error IS NOT NULL))[1]
+                WHEN count(j.last_error) > 0 THEN '<insufficient privilege>' END
       FROM outbox.jobs j
      GROUP BY j.queue
      ORDER BY j.queue

@@ -621,6 +621,11 @@ SELECT outbox.subscribe('sub3', queue => 'q2', filter => 'topic' || repeat('.a',
 SELECT outbox.subscribe('sub3', queue => 'q2', filter => '1' || repeat(' + 1', 300) || ' > 0');
 SELECT outbox.subscribe('sub3', queue => 'q2', filter => '1' || repeat('+1', 1000) || ' > 0');
 SELECT outbox.subscribe('sub3', queue => 'q2', filter => 'payload.a' || repeat('.a', 40) || ' > 1');
+-- matches() with a pattern built at run time, or a literal too long (a regex is compiled per
+-- pattern: its size is what the budget cannot bound)
+SELECT outbox.subscribe('sub3', queue => 'q2', filter => 'subject.matches(payload.pattern)');
+SELECT outbox.subscribe('sub3', queue => 'q2', filter => 'subject.matches("^a" + "b")');
+SELECT outbox.subscribe('sub3', queue => 'q2', filter => 'subject.matches("' || repeat('a', 257) || '")');
 -- accepted, though the workers then count an error on every event: a filter that does not give
 -- a boolean
 BEGIN;

@@ -1526,3 +1526,90 @@ fn a_key_given_to_enqueue_cannot_hide_an_event_from_a_subscription() {
         1
     );
 }
+
+/// The README's grants for operators.
+const OPS_GRANTS: &str = "GRANT USAGE ON SCHEMA outbox TO {r};
+    GRANT EXECUTE ON FUNCTION outbox.horizon(), outbox.status(), outbox.queue_status(),
+        outbox.queue_privileges(), outbox.schedule_status(), outbox.workers(), outbox.wake(),
+        outbox.prune(interval, integer) TO {r};";
+
+#[test]
+fn an_operator_sees_no_error_text_of_other_roles_unless_it_may_read_all_stats() {
+    let db = worker_db("sec_status_text");
+    let mut su = db.connect();
+    let mut shipping = tenant(&db, "shipping", &[SINK_GRANTS, OPS_GRANTS]);
+    let mut mailer = tenant(&db, "mailer_a", &[JOB_GRANTS, OPS_GRANTS]);
+    let mut ops = tenant(&db, "ops", &[OPS_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    // A handler whose error quotes the customer's data, and a job failed with it.
+    su.batch_execute(
+        "CREATE FUNCTION shipping.h(e outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'no address for %', e[1].payload->>'customer'; END $$;
+         ALTER FUNCTION shipping.h(outbox.event[]) OWNER TO shipping;",
+    )
+    .unwrap();
+    shipping
+        .batch_execute("SELECT outbox.create_sink('ship', 'shipping.h(outbox.event[])')")
+        .unwrap();
+    app.batch_execute("SELECT outbox.raise('order.placed', '{\"customer\": \"Ada Lovelace\"}')")
+        .unwrap();
+    mailer
+        .batch_execute("SELECT outbox.enqueue('mail_a', '{}')")
+        .unwrap();
+    let id: i64 = mailer
+        .query_one("SELECT id FROM outbox.claim('mail_a')", &[])
+        .unwrap()
+        .get(0);
+    mailer
+        .execute("SELECT outbox.fail($1, 'bounced: ada@example.com')", &[&id])
+        .unwrap();
+    let sink_error = |c: &mut Client| -> Option<String> {
+        c.query_one(
+            "SELECT last_error FROM outbox.status() WHERE name = 'ship'",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    let queue_error = |c: &mut Client| -> Option<String> {
+        c.query_one(
+            "SELECT last_error FROM outbox.queue_status() WHERE queue = 'mail_a'",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    let owner_sees = eventually("the sink to fail", Duration::from_secs(20), || {
+        sink_error(&mut shipping).filter(|e| e.contains("Ada Lovelace"))
+    });
+    assert!(
+        owner_sees.contains("no address for Ada Lovelace"),
+        "{owner_sees}"
+    );
+    assert_eq!(
+        queue_error(&mut mailer).as_deref(),
+        Some("bounced: ada@example.com")
+    );
+    // Another team, and an operator: the state, not the text.
+    for c in [&mut ops, &mut mailer] {
+        assert_eq!(sink_error(c).as_deref(), Some("<insufficient privilege>"));
+    }
+    for c in [&mut ops, &mut shipping] {
+        assert_eq!(queue_error(c).as_deref(), Some("<insufficient privilege>"));
+    }
+    let state: String = ops
+        .query_one("SELECT state FROM outbox.status() WHERE name = 'ship'", &[])
+        .unwrap()
+        .get(0);
+    assert_ne!(state, "idle");
+    // As pg_stat_activity's query: members of pg_read_all_stats see it all.
+    su.batch_execute("GRANT pg_read_all_stats TO ops").unwrap();
+    let mut ops = db.connect_as("ops");
+    assert!(sink_error(&mut ops).unwrap().contains("Ada Lovelace"));
+    assert_eq!(
+        queue_error(&mut ops).as_deref(),
+        Some("bounced: ada@example.com")
+    );
+    su.batch_execute("REVOKE pg_read_all_stats FROM ops")
+        .unwrap();
+}

@@ -27,6 +27,7 @@ struct Request {
     body: String,
 }
 
+#[derive(Clone)]
 struct Sink {
     id: String,
     /// Key of the session-level lease this pass holds.
@@ -240,11 +241,7 @@ fn agent(timeout: Duration, allow: http::Allow) -> ureq::Agent {
     )
 }
 
-/// Sends one request on a thread of its own (never the one that talks to Postgres).
-fn send(agent: ureq::Agent, req: Request, max_response: u64) -> Outcome {
-    join(spawn(agent, req, max_response))
-}
-
+/// The outcome of a request that landed (its thread has finished, or is about to).
 fn join(flying: Flying) -> Outcome {
     flying.handle.join().unwrap_or(Outcome::Transient {
         retry_after: None,
@@ -505,12 +502,37 @@ fn release(lease_key: i32) -> Result<(), Failure> {
     Ok(())
 }
 
-/// A request on its way: started by `start`, recorded by `finish`.
+/// A request on its way: started by `start` (or by `finish`, for a neighbour test), recorded by
+/// `finish`. The sink's lease is held until it is recorded.
 pub struct InFlight {
     sink: Sink,
-    window: Window,
-    replay: Option<Position>,
+    purpose: Purpose,
     handle: Flying,
+}
+
+/// What a request in flight is for.
+enum Purpose {
+    /// The sink's next window; or, with `replay`, a dead letter marked for replay, alone.
+    Window {
+        window: Window,
+        replay: Option<Position>,
+    },
+    /// The neighbour test: the event at `lone` was refused for good (`state`, `reason`), and
+    /// `window` holds the next event this sink would get, alone.
+    Neighbour {
+        window: Window,
+        state: SinkState,
+        lone: Position,
+        reason: String,
+    },
+}
+
+/// What `finish` made of a request that landed.
+pub enum Landed {
+    Recorded(Result<PassResult, Failure>),
+    /// The outcome calls for another request first (the neighbour test): it is on its way, under
+    /// the same lease.
+    Next(Box<InFlight>),
 }
 
 impl InFlight {
@@ -590,21 +612,44 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
     };
     Ok(Started::InFlight(Box::new(InFlight {
         sink,
-        window,
-        replay,
+        purpose: Purpose::Window { window, replay },
         handle,
     })))
 }
 
-/// Second half: wait for the response, record what it means, release the lease.
-pub fn finish(flight: InFlight, agents: &mut Agents) -> Result<PassResult, Failure> {
+/// Second half: take the response, record what it means, release the lease (unless the
+/// neighbour test goes out first).
+pub fn finish(flight: InFlight, agents: &mut Agents) -> Landed {
     let outcome = join(flight.handle);
-    let result = match flight.replay {
-        Some(position) => record_replay(&flight.sink, position, outcome),
-        None => record(&flight.sink, flight.window, outcome, agents),
+    let sink = flight.sink;
+    let result = match flight.purpose {
+        Purpose::Window {
+            replay: Some(position),
+            ..
+        } => record_replay(&sink, position, outcome),
+        Purpose::Window {
+            window,
+            replay: None,
+        } => match record(&sink, window, outcome, agents) {
+            Ok(Step::Done(result)) => Ok(result),
+            Ok(Step::Neighbour(next)) => return Landed::Next(next),
+            Err(e) => Err(e),
+        },
+        Purpose::Neighbour {
+            window,
+            state,
+            lone,
+            reason,
+        } => after_neighbour(&sink, state, lone, reason, Some((window, outcome))),
     };
-    release(flight.sink.lease_key)?;
-    result
+    let released = release(sink.lease_key);
+    Landed::Recorded(result.and_then(|r| released.map(|()| r)))
+}
+
+/// What `record` decided.
+enum Step {
+    Done(PassResult),
+    Neighbour(Box<InFlight>),
 }
 
 /// A replayed dead letter: accepted, it is gone; refused or failed, it stays with one more attempt.
@@ -675,7 +720,7 @@ fn record(
     window: Window,
     outcome: Outcome,
     agents: &mut Agents,
-) -> Result<PassResult, Failure> {
+) -> Result<Step, Failure> {
     let last = window
         .last
         .expect("a request is sent only for a non-empty window");
@@ -698,10 +743,10 @@ fn record(
                 })
             })?
             .map_err(|e| failure(&e.to_string()))?;
-            Ok(PassResult::Delivered {
+            Ok(Step::Done(PassResult::Delivered {
                 events: window.matching,
                 full,
-            })
+            }))
         }
         Outcome::Transient {
             retry_after,
@@ -721,13 +766,13 @@ fn record(
             in_transaction(|| {
                 transient_failure(&sink.id, transient, window.count, delay, down, &reason)
             })?;
-            Ok(PassResult::Failed)
+            Ok(Step::Done(PassResult::Failed))
         }
         Outcome::Rejected { reason } => match policy.after_failure(sink.state, window.count as u32)
         {
             AfterFailure::Halve(state) => {
                 record_failure(sink, state, None, false, &reason)?;
-                Ok(PassResult::Retry)
+                Ok(Step::Done(PassResult::Retry))
             }
             AfterFailure::Retry { state, delay } => {
                 pgrx::warning!(
@@ -736,7 +781,7 @@ fn record(
                     state.attempts
                 );
                 record_failure(sink, state, Some(delay), false, &reason)?;
-                Ok(PassResult::Failed)
+                Ok(Step::Done(PassResult::Failed))
             }
             AfterFailure::TestNeighbour(state) => neighbour_test(sink, state, last, reason, agents),
         },
@@ -744,15 +789,15 @@ fn record(
 }
 
 /// The lone event at `lone` was refused `poison_after` times: post the next event this sink would
-/// get, alone. Accepted: `lone` is poison. Refused too, or none yet: the sink is down.
+/// get, alone, as a request of its own (the worker goes on meanwhile). Accepted: `lone` is
+/// poison. Refused too, or none yet: the sink is down.
 fn neighbour_test(
     sink: &Sink,
     state: SinkState,
     lone: Position,
     reason: String,
     agents: &mut Agents,
-) -> Result<PassResult, Failure> {
-    let policy = settings::policy(sink.max_batch);
+) -> Result<Step, Failure> {
     pgrx::warning!(
         "pg_outbox: http sink \"{}\" refused event {lone} (attempt {}), testing its neighbour: {reason}",
         sink.id,
@@ -783,12 +828,33 @@ fn neighbour_test(
         })
     })?
     .map_err(|e| failure(&e.to_string()))?;
+    let Some(window) = window else {
+        return after_neighbour(sink, state, lone, reason, None).map(Step::Done);
+    };
     let max_response = settings::HTTP_MAX_RESPONSE_BYTES.get().max(0) as u64;
-    let outcome = window.map(|w| {
-        let o = send(agents.get(sink), request(sink, &w), max_response);
-        (w, o)
-    });
-    match outcome {
+    let handle = spawn(agents.get(sink), request(sink, &window), max_response);
+    Ok(Step::Neighbour(Box::new(InFlight {
+        sink: sink.clone(),
+        purpose: Purpose::Neighbour {
+            window,
+            state,
+            lone,
+            reason,
+        },
+        handle,
+    })))
+}
+
+/// The neighbour test's verdict: `neighbour` is its window and outcome (None: no neighbour yet).
+fn after_neighbour(
+    sink: &Sink,
+    state: SinkState,
+    lone: Position,
+    reason: String,
+    neighbour: Option<(Window, Outcome)>,
+) -> Result<PassResult, Failure> {
+    let policy = settings::policy(sink.max_batch);
+    match neighbour {
         Some((w, Outcome::Delivered)) => {
             let neighbour = w.last.expect("the window has the neighbour");
             let AfterNeighbour::DeadLetter(fresh) = policy.after_neighbour(state, Some(true))

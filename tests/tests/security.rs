@@ -1613,3 +1613,104 @@ fn an_operator_sees_no_error_text_of_other_roles_unless_it_may_read_all_stats() 
     su.batch_execute("REVOKE pg_read_all_stats FROM ops")
         .unwrap();
 }
+
+#[test]
+fn a_neighbour_test_against_a_silent_endpoint_does_not_hold_the_workers() {
+    use pg_outbox_tests::http_server::Receiver;
+    let db = worker_db("sec_silent_neighbour");
+    let _http = Settings::loopback_http(&db).set("pg_outbox.poison_after", "2", "5");
+    let mut su = db.connect();
+    let mut shipping = tenant(&db, "shipping", &[SINK_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    // Refuses the poison event at once; answers any other request only after 12 s. So each
+    // sink's neighbour test (the event after the poison, alone) is a request that hangs.
+    let endpoint = Receiver::start(|r, _| {
+        if String::from_utf8_lossy(&r.body).contains("poison") {
+            (400, vec![])
+        } else {
+            std::thread::sleep(Duration::from_secs(12));
+            (200, vec![])
+        }
+    });
+    for hook in ["picky_a", "picky_b"] {
+        su.execute(
+            "SELECT outbox.create_http_sink($1, $2, topics => ARRAY['h'], timeout_ms => 20000)",
+            &[&hook, &endpoint.url("/in")],
+        )
+        .unwrap();
+    }
+    shipping
+        .batch_execute(
+            "CREATE TABLE shipping.got (at timestamptz DEFAULT clock_timestamp(), raised timestamptz);
+             CREATE FUNCTION shipping.h(e outbox.event[]) RETURNS void LANGUAGE sql AS
+               $$ INSERT INTO shipping.got (raised) SELECT x.raised_at FROM unnest(e) x $$;
+             SELECT outbox.create_sink('sql', 'shipping.h(outbox.event[])', topics => ARRAY['s']);",
+        )
+        .unwrap();
+    app.batch_execute(
+        "SELECT outbox.raise('h', '{\"poison\": true}'); SELECT outbox.raise('h', '{\"fine\": true}');",
+    )
+    .unwrap();
+    // Both sinks' neighbour tests are on their way.
+    let neighbour_tests = || {
+        endpoint
+            .received()
+            .iter()
+            .filter(|r| !String::from_utf8_lossy(&r.body).contains("poison"))
+            .count()
+    };
+    eventually(
+        "two neighbour tests in flight",
+        Duration::from_secs(20),
+        || (neighbour_tests() >= 2).then_some(()),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..5 {
+        app.batch_execute("SELECT outbox.raise('s')").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eventually(
+        "the SQL sink to deliver while the neighbour tests fly",
+        Duration::from_secs(8),
+        || (count(&mut su, "SELECT count(*) FROM shipping.got") == 5).then_some(()),
+    );
+    let worst: f64 = su
+        .query_one(
+            "SELECT max(extract(epoch FROM at - raised))::float8 FROM shipping.got",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        worst < 2.0,
+        "an event waited {worst} s behind a neighbour test"
+    );
+    // When the neighbours are accepted, each sink dead-letters the poison, and only it.
+    eventually(
+        "the poison dead-lettered by both sinks",
+        Duration::from_secs(40),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM outbox.dead_letters WHERE (event).payload ? 'poison'",
+            ) == 2)
+                .then_some(())
+        },
+    );
+    assert_eq!(
+        count(&mut su, "SELECT count(*) FROM outbox.dead_letters"),
+        2
+    );
+    eventually(
+        "both sinks past the neighbour",
+        Duration::from_secs(20),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM outbox.status() WHERE name IN ('picky_a', 'picky_b') \
+             AND state = 'idle'",
+            ) == 2)
+                .then_some(())
+        },
+    );
+}

@@ -12,6 +12,25 @@ use crate::owner::{as_owner, caller};
 use pgrx::datum::{DatumWithOid, Interval};
 use pgrx::prelude::*;
 
+/// The rows of `SELECT * FROM <function>(who)` run as the log's owner for the caller, each made
+/// into a `T` by `row`.
+fn for_caller<T>(
+    function: &str,
+    row: impl Fn(&pgrx::spi::SpiHeapTupleData<'_>) -> Result<T, pgrx::spi::Error>,
+) -> Vec<T> {
+    let who = caller();
+    let sql = format!("SELECT * FROM {function}($1)");
+    as_owner(|| {
+        Spi::connect(|client| {
+            client
+                .select(&sql, None, &[DatumWithOid::from(who)])?
+                .map(|r| row(&r))
+                .collect::<Result<Vec<T>, _>>()
+        })
+    })
+    .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
 type StatusRow = (
     Option<String>,
     Option<String>,
@@ -53,37 +72,25 @@ fn status() -> TableIterator<
         name!(predicate_errors, Option<i64>),
     ),
 > {
-    let who = caller();
-    let rows: Vec<StatusRow> = as_owner(|| {
-        Spi::connect(|client| {
-            let mut rows = Vec::new();
-            for r in client.select(
-                "SELECT * FROM outbox._status($1)",
-                None,
-                &[DatumWithOid::from(who)],
-            )? {
-                rows.push((
-                    r.get(1)?,
-                    r.get(2)?,
-                    r.get(3)?,
-                    r.get(4)?,
-                    r.get(5)?,
-                    r.get(6)?,
-                    r.get(7)?,
-                    r.get(8)?,
-                    r.get(9)?,
-                    r.get(10)?,
-                    r.get(11)?,
-                    r.get(12)?,
-                    r.get(13)?,
-                    r.get(14)?,
-                    r.get(15)?,
-                ));
-            }
-            Ok::<_, pgrx::spi::Error>(rows)
-        })
-    })
-    .unwrap_or_else(|e| panic!("outbox._status: {e}"));
+    let rows: Vec<StatusRow> = for_caller("outbox._status", |r| {
+        Ok((
+            r.get(1)?,
+            r.get(2)?,
+            r.get(3)?,
+            r.get(4)?,
+            r.get(5)?,
+            r.get(6)?,
+            r.get(7)?,
+            r.get(8)?,
+            r.get(9)?,
+            r.get(10)?,
+            r.get(11)?,
+            r.get(12)?,
+            r.get(13)?,
+            r.get(14)?,
+            r.get(15)?,
+        ))
+    });
     TableIterator::new(rows)
 }
 
@@ -112,28 +119,16 @@ fn queue_status() -> TableIterator<
         name!(last_error, Option<String>),
     ),
 > {
-    let who = caller();
-    let rows: Vec<QueueRow> = as_owner(|| {
-        Spi::connect(|client| {
-            let mut rows = Vec::new();
-            for r in client.select(
-                "SELECT * FROM outbox._queue_status($1)",
-                None,
-                &[DatumWithOid::from(who)],
-            )? {
-                rows.push((
-                    r.get(1)?,
-                    r.get(2)?,
-                    r.get(3)?,
-                    r.get(4)?,
-                    r.get(5)?,
-                    r.get(6)?,
-                    r.get(7)?,
-                ));
-            }
-            Ok::<_, pgrx::spi::Error>(rows)
-        })
-    })
-    .unwrap_or_else(|e| panic!("outbox._queue_status: {e}"));
+    let rows: Vec<QueueRow> = for_caller("outbox._queue_status", |r| {
+        Ok((
+            r.get(1)?,
+            r.get(2)?,
+            r.get(3)?,
+            r.get(4)?,
+            r.get(5)?,
+            r.get(6)?,
+            r.get(7)?,
+        ))
+    });
     TableIterator::new(rows)
 }

@@ -5,7 +5,8 @@
 -- checks what its caller may do on the queue. Keys given to enqueue() and the keys of fan-out
 -- jobs live in separate namespaces. A schedule run whose owner lost the right to write is
 -- skipped, with a WARNING. status() and queue_status() show tenants' error texts only to the
--- roles that own (or may work) what failed and to members of pg_read_all_stats.
+-- roles that own (or may work) what failed and to members of pg_read_all_stats. The workers'
+-- windows are cut at pg_outbox.max_batch_bytes (outbox._read_window, outbox._event_size).
 --
 -- Queues that exist at the upgrade keep the access they had: each belongs to the role of the
 -- subscription or schedule that feeds it (else to the owner of the log), and every role that could
@@ -21,6 +22,31 @@ CREATE UNIQUE INDEX jobs_waiting_key ON outbox.jobs (queue, key)
     WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL;
 CREATE UNIQUE INDEX jobs_waiting_event ON outbox.jobs (queue, subscription, event)
     WHERE subscription IS NOT NULL AND state = 'waiting';
+
+CREATE FUNCTION outbox."_event_size"(
+	"payload" jsonb,
+	"headers" jsonb
+) RETURNS bigint
+IMMUTABLE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'event_size_wrapper';
+
+-- A window of the log for the workers: the read rule's next events after a cursor, at most
+-- max_events, numbered n from 1, and cut before their payloads and headers pass max_bytes
+-- uncompressed (outbox._event_size reads that from each value's header, without decompressing
+-- it); never empty while an event is readable. Bounds what a pass holds whatever events hold.
+CREATE FUNCTION outbox._read_window(after_txid pg_catalog.xid8, after_seq bigint, max_events integer,
+                                    max_bytes bigint)
+RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
+               headers jsonb, raised_at timestamptz, n bigint)
+LANGUAGE sql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
+    SELECT w.id, w.position, w.topic, w.subject, w.tenant, w.payload, w.headers, w.raised_at, w.n
+      FROM (SELECT r.*, sum(outbox._event_size(r.payload, r.headers)) OVER (ORDER BY r.n) AS upto
+              FROM outbox._read_after(after_txid, after_seq, max_events) WITH ORDINALITY
+                   AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n)) w
+     WHERE w.n = 1 OR w.upto <= max_bytes
+     ORDER BY w.n
+$$;
 
 -- Queues belong to roles. The role that creates a queue (outbox.create_queue, or the first
 -- enqueue() or subscribe() that names it) owns it; its members may do everything with its jobs,

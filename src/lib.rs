@@ -35,6 +35,11 @@ pgrx::pg_module_magic!();
 
 // The schema, the log, the cursor table and the read rule, before any function that uses them.
 pgrx::extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
+pgrx::extension_sql_file!(
+    "sql/window.sql",
+    name = "window",
+    requires = ["schema", read_rule::event_size]
+);
 pgrx::extension_sql_file!("sql/sinks.sql", name = "sinks", requires = ["schema"]);
 pgrx::extension_sql_file!("sql/jobs.sql", name = "jobs", requires = ["schema"]);
 pgrx::extension_sql_file!("sql/schedules.sql", name = "schedules", requires = ["jobs"]);

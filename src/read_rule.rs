@@ -14,3 +14,18 @@ pub fn horizon() -> u64 {
     .expect("a snapshot always has an xmin");
     text.parse().expect("xid8 prints as an unsigned integer")
 }
+
+/// How many bytes an event's payload and headers take uncompressed (`outbox._event_size`), read
+/// from each value's varlena header or toast pointer: nothing is decompressed or fetched. The
+/// workers' windows (`outbox._read_window`) are cut on it.
+#[pgrx::pg_extern(name = "_event_size", immutable, parallel_safe)]
+pub fn event_size(
+    payload: Option<crate::raw::RawJsonb>,
+    headers: Option<crate::raw::RawJsonb>,
+) -> i64 {
+    [payload, headers]
+        .into_iter()
+        .flatten()
+        .map(|v| v.raw_size() as i64)
+        .sum()
+}

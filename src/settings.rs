@@ -64,6 +64,11 @@ pub static HTTP_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 /// endpoint that accepts and never answers holds a lease (and a thread) that long.
 pub static HTTP_MAX_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 
+/// Most bytes of payloads and headers (uncompressed) one window the workers read may hold: a
+/// sink's batch, an HTTP request's body, a fan-out pass. A window always holds one event at least
+/// (at most `max_event_size`). Bounds what one pass holds in memory whatever the events are.
+pub static MAX_BATCH_BYTES: GucSetting<i32> = GucSetting::<i32>::new(16 * 1024 * 1024);
+
 /// Bytes of a response body read (and discarded) at most: a webhook answers with a status.
 pub static HTTP_MAX_RESPONSE_BYTES: GucSetting<i32> = GucSetting::<i32>::new(65_536);
 
@@ -222,6 +227,16 @@ pub fn init(preloading: bool) {
         1024,
         64 * 1024 * 1024,
         GucContext::Suset,
+        GucFlags::UNIT_BYTE,
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.max_batch_bytes",
+        c"Most bytes of payloads and headers (uncompressed) in one window the workers read.",
+        c"A sink's batch, an HTTP request or a fan-out pass stops before this many bytes (one event at least).",
+        &MAX_BATCH_BYTES,
+        64 * 1024,
+        1024 * 1024 * 1024,
+        GucContext::Sighup,
         GucFlags::UNIT_BYTE,
     );
     GucRegistry::define_int_guc(

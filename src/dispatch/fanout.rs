@@ -150,7 +150,7 @@ const WINDOW_SQL: &str = "\
     SELECT r.position, r.topic, CASE WHEN $4 THEN r.subject END, CASE WHEN $5 THEN r.tenant END, \
            CASE WHEN $6 THEN r.payload::text END, CASE WHEN $7 THEN r.headers::text END, \
            CASE WHEN $8 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END \
-      FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) r";
+      FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $9) r";
 
 /// Writes one job per (subscription, event) pair of the window: the event as the payload,
 /// `<subscription>:<event id>` as the key. A (subscription, event) whose job still waits is not
@@ -256,6 +256,7 @@ fn fan_out(
                 DatumWithOid::from(needs[2]),
                 DatumWithOid::from(needs[3]),
                 DatumWithOid::from(needs[4]),
+                DatumWithOid::from(crate::settings::MAX_BATCH_BYTES.get() as i64),
             ],
         )
         .expect("reading a fan-out window");

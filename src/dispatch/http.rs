@@ -61,6 +61,8 @@ enum Prepared {
     Ready(Box<(Sink, Window)>),
     /// A dead letter marked for replay: it goes first, alone.
     Replay(Box<(Sink, Position, Window)>),
+    /// The window (its event count and last position) could not be rendered, for this reason.
+    Unreadable(Box<(Sink, (usize, Option<Position>), String)>),
 }
 
 fn lease_and_read(id: &str) -> Prepared {
@@ -149,10 +151,21 @@ fn lease_and_read(id: &str) -> Prepared {
             };
             return Ok(Prepared::Replay(Box::new((sink, position, window))));
         }
-        let window = read_window(client, id, sink.cursor, sink.state.batch.min(sink.max_batch))?;
-        Ok::<_, pgrx::spi::Error>(Prepared::Ready(Box::new((sink, window))))
+        let max = sink.state.batch.min(sink.max_batch);
+        // A window that cannot be rendered goes through the failure policy, as a refusal would.
+        match crate::transaction::in_subtransaction(|| read_window(client, id, sink.cursor, max)) {
+            Ok(window) => Ok(Prepared::Ready(Box::new((sink, window?)))),
+            Err(failure) => {
+                let shape = super::window_shape(client, sink.cursor, max)?;
+                Ok(Prepared::Unreadable(Box::new((
+                    sink,
+                    shape,
+                    format!("rendering the batch failed: {}", failure.message),
+                ))))
+            }
+        }
     })
-    .unwrap_or_else(|e| panic!("preparing http sink \"{id}\": {e}"))
+    .unwrap_or_else(|e: pgrx::spi::Error| panic!("preparing http sink \"{id}\": {e}"))
 }
 
 /// The CloudEvents batch of the events after `after` that the sink's topics match.
@@ -162,8 +175,7 @@ const WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.positio
                                                      r.headers, r.raised_at)::outbox.event) \
                               ORDER BY r.n) FILTER (WHERE m.ok))::text, \
         pg_catalog.array_agg(r.id::text ORDER BY r.n) FILTER (WHERE m.ok) \
-   FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
-        AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
+   FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $5) r \
   CROSS JOIN LATERAL (SELECT s.topic_regex IS NULL OR r.topic ~ s.topic_regex AS ok \
                         FROM outbox.sinks s WHERE s.id = $4) m";
 
@@ -181,6 +193,7 @@ fn read_window(
             DatumWithOid::from(after.seq),
             DatumWithOid::from(max as i32),
             DatumWithOid::from(id),
+            DatumWithOid::from(settings::MAX_BATCH_BYTES.get() as i64),
         ],
     )?;
     let r = t.first();
@@ -584,6 +597,30 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
         Prepared::Replay(replay) => {
             let (sink, position, window) = *replay;
             (sink, window, Some(position))
+        }
+        Prepared::Unreadable(unreadable) => {
+            let (sink, (count, last), reason) = *unreadable;
+            let window = Window {
+                count,
+                last,
+                matching: count,
+                body: None,
+                ids: Vec::new(),
+            };
+            if last.is_none() {
+                release(sink.lease_key)?;
+                return Ok(Started::Done(PassResult::Idle));
+            }
+            pgrx::warning!("pg_outbox: http sink \"{}\": {reason}", sink.id);
+            let step = record(&sink, window, Outcome::Rejected { reason }, agents);
+            return match step {
+                Ok(Step::Neighbour(next)) => Ok(Started::InFlight(next)),
+                Ok(Step::Done(result)) => release(sink.lease_key).map(|()| Started::Done(result)),
+                Err(e) => {
+                    let _ = release(sink.lease_key);
+                    Err(e)
+                }
+            };
         }
     };
     let Some(last) = window.last else {

@@ -283,8 +283,7 @@ const WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.positio
         pg_catalog.array_agg(ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, \
                                  r.raised_at)::outbox.event ORDER BY r.n) \
             FILTER (WHERE $4::text IS NULL OR r.topic ~ $4) \
-   FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
-        AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n)";
+   FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $5) r";
 
 fn read_window(
     client: &SpiClient<'_>,
@@ -300,6 +299,7 @@ fn read_window(
             DatumWithOid::from(after.seq),
             DatumWithOid::from(max as i32),
             DatumWithOid::from(regex.clone()),
+            DatumWithOid::from(settings::MAX_BATCH_BYTES.get() as i64),
         ],
     )?;
     let row = table.first();
@@ -315,6 +315,32 @@ fn read_window(
         matching,
         events,
     })
+}
+
+/// How many events the window after `after` holds, and the last one's position, without reading
+/// the events themselves (for a window that could not be read whole).
+pub(crate) fn window_shape(
+    client: &SpiClient<'_>,
+    after: Position,
+    max: u32,
+) -> Result<(usize, Option<Position>), pgrx::spi::Error> {
+    let table = client.select(
+        "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4] \
+           FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $4) r",
+        Some(1),
+        &[
+            DatumWithOid::from(after.txid.to_string()),
+            DatumWithOid::from(after.seq),
+            DatumWithOid::from(max as i32),
+            DatumWithOid::from(settings::MAX_BATCH_BYTES.get() as i64),
+        ],
+    )?;
+    let row = table.first();
+    let count = row.get::<i64>(1)?.unwrap_or(0) as usize;
+    let last = row
+        .get::<String>(2)?
+        .map(|p| p.parse().expect("positions are well-formed"));
+    Ok((count, last))
 }
 
 /// Calls the handler on `events` (an outbox.event[] datum) in a subtransaction, as the sink's
@@ -446,12 +472,26 @@ pub fn pass(id: &str) -> PassResult {
             return Ok(result);
         }
         let policy = settings::policy(sink.max_batch);
-        let window = read_window(
-            client,
-            sink.cursor,
-            sink.state.batch.min(sink.max_batch),
-            &sink.topic_regex,
-        )?;
+        let max = sink.state.batch.min(sink.max_batch);
+        // Reading the window is the events' doing as much as a handler's failure is: one that
+        // cannot be read goes through the failure policy too, so it is bisected to the event
+        // that cannot be, which is dead-lettered after the neighbour test.
+        let window = match crate::transaction::in_subtransaction(|| {
+            read_window(client, sink.cursor, max, &sink.topic_regex)
+        }) {
+            Ok(window) => window?,
+            Err(failure) => {
+                let (count, last) = window_shape(client, sink.cursor, max)?;
+                let Some(last) = last else {
+                    return Ok(PassResult::Idle);
+                };
+                let failure = Failure {
+                    message: format!("reading the batch failed: {}", failure.message),
+                    ..failure
+                };
+                return failed_batch(client, &sink, count, last, None, failure);
+            }
+        };
         let Some(last) = window.last else {
             return Ok(PassResult::Idle);
         };
@@ -478,7 +518,7 @@ pub fn pass(id: &str) -> PassResult {
                     full,
                 })
             }
-            Err(failure) => failed_batch(client, &sink, window.count, last, events, failure),
+            Err(failure) => failed_batch(client, &sink, window.count, last, Some(events), failure),
         }
     })
     .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
@@ -491,7 +531,7 @@ fn failed_batch(
     sink: &Sink,
     count: usize,
     last: Position,
-    events: pg_sys::Datum,
+    events: Option<pg_sys::Datum>,
     failure: Failure,
 ) -> Result<PassResult, pgrx::spi::Error> {
     let policy = settings::policy(sink.max_batch);
@@ -580,7 +620,7 @@ pub fn after_hang(id: &str, neighbour: bool) {
                 0,
             );
         }
-        failed_batch(client, &sink, window.count, last, events, failure).map(|_| ())
+        failed_batch(client, &sink, window.count, last, Some(events), failure).map(|_| ())
     })
     .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
 }
@@ -592,7 +632,7 @@ fn neighbour_test(
     sink: &Sink,
     state: SinkState,
     lone: Position,
-    lone_events: pg_sys::Datum,
+    lone_events: Option<pg_sys::Datum>,
     failure: Failure,
 ) -> Result<PassResult, pgrx::spi::Error> {
     let policy = settings::policy(sink.max_batch);
@@ -611,9 +651,16 @@ fn neighbour_test(
             else {
                 unreachable!()
             };
+            // The event as the handler got it; or, if it could not be read into a batch, as the
+            // log holds it.
             client.update(
                 "INSERT INTO outbox.dead_letters (sink, txid, seq, event, error, sqlstate, attempts) \
-                 VALUES ($1, $2::pg_catalog.xid8, $3, ($4::outbox.event[])[1], $5, $6, $7) \
+                 SELECT $1, $2::pg_catalog.xid8, $3, \
+                        coalesce(($4::outbox.event[])[1], \
+                                 ROW(e.id, e.txid::text || ':' || e.seq::text, e.topic, e.subject, \
+                                     e.tenant, e.payload, e.headers, e.raised_at)::outbox.event), \
+                        $5, $6, $7 \
+                   FROM outbox.events e WHERE e.txid = $2::pg_catalog.xid8 AND e.seq = $3 \
                  ON CONFLICT (sink, txid, seq) DO UPDATE SET event = EXCLUDED.event, error = EXCLUDED.error, \
                       sqlstate = EXCLUDED.sqlstate, attempts = EXCLUDED.attempts, dead_at = pg_catalog.now(), \
                       replay_requested_at = NULL",
@@ -622,8 +669,13 @@ fn neighbour_test(
                     DatumWithOid::from(sink.id.as_str()),
                     DatumWithOid::from(lone.txid.to_string()),
                     DatumWithOid::from(lone.seq),
-                    // SAFETY: the lone event's outbox.event[] datum from this connection.
-                    unsafe { DatumWithOid::new(lone_events, sink.event_array_type) },
+                    match lone_events {
+                        // SAFETY: the lone event's outbox.event[] datum from this connection.
+                        Some(events) => unsafe {
+                            DatumWithOid::new(events, sink.event_array_type)
+                        },
+                        None => DatumWithOid::null_oid(sink.event_array_type),
+                    },
                     DatumWithOid::from(failure.message.as_str()),
                     DatumWithOid::from(failure.sqlstate.as_str()),
                     DatumWithOid::from(state.attempts as i32),

@@ -1276,6 +1276,13 @@ const JOB_GRANTS: &str = "GRANT USAGE ON SCHEMA outbox TO {r};
         outbox.drop_queue(text, boolean), outbox.grant_queue(text, regrole, boolean, boolean),
         outbox.revoke_queue(text, regrole, boolean, boolean) TO {r};";
 
+/// Each of `calls` is refused for lack of privilege (42501).
+fn refused(c: &mut Client, calls: &[&str]) {
+    for sql in calls {
+        assert_eq!(sqlstate(c, sql), "42501", "{sql}");
+    }
+}
+
 fn claimed(c: &mut Client, queue: &str) -> Vec<i64> {
     c.query("SELECT id FROM outbox.claim($1, 100)", &[&queue])
         .unwrap()
@@ -1299,21 +1306,14 @@ fn a_job_queue_belongs_to_its_owner_and_whom_it_grants() {
         )
         .unwrap();
     // Another team's worker can neither take its jobs nor add to them.
-    assert_eq!(
-        sqlstate(&mut other, "SELECT * FROM outbox.claim('mail_a')"),
-        "42501"
-    );
-    assert_eq!(
-        sqlstate(&mut other, "SELECT * FROM outbox.claim('mail_a', 1, NULL)"),
-        "42501"
-    );
-    assert_eq!(
-        sqlstate(&mut other, "SELECT outbox.enqueue('mail_a')"),
-        "42501"
-    );
-    assert_eq!(
-        sqlstate(&mut other, "SELECT outbox.enqueue('reserved_a')"),
-        "42501"
+    refused(
+        &mut other,
+        &[
+            "SELECT * FROM outbox.claim('mail_a')",
+            "SELECT * FROM outbox.claim('mail_a', 1, NULL)",
+            "SELECT outbox.enqueue('mail_a')",
+            "SELECT outbox.enqueue('reserved_a')",
+        ],
     );
     assert_eq!(
         sqlstate(&mut other, "SELECT outbox.create_queue('mail_a')"),
@@ -1405,13 +1405,12 @@ fn a_job_queue_belongs_to_its_owner_and_whom_it_grants() {
     owner
         .batch_execute("SELECT outbox.revoke_queue('mail_a', 'mailer_b')")
         .unwrap();
-    assert_eq!(
-        sqlstate(&mut other, "SELECT * FROM outbox.claim('mail_a')"),
-        "42501"
-    );
-    assert_eq!(
-        sqlstate(&mut other, "SELECT outbox.enqueue('mail_a')"),
-        "42501"
+    refused(
+        &mut other,
+        &[
+            "SELECT * FROM outbox.claim('mail_a')",
+            "SELECT outbox.enqueue('mail_a')",
+        ],
     );
     // Members of the owning role act for it; a superuser sees who has what.
     su.batch_execute(
@@ -1713,4 +1712,228 @@ fn a_neighbour_test_against_a_silent_endpoint_does_not_hold_the_workers() {
                 .then_some(())
         },
     );
+}
+
+#[test]
+fn a_pass_holds_at_most_max_batch_bytes_of_events_however_well_they_compress() {
+    use pg_outbox_tests::http_server::Receiver;
+    let db = worker_db("sec_batch_bytes");
+    let _settings = Settings::loopback_http(&db).set("pg_outbox.max_batch_bytes", "1MB", "16MB");
+    let mut su = db.connect();
+    let mut shipping = tenant(&db, "shipping", &[SINK_GRANTS]);
+    let mut loyalty = tenant(&db, "loyalty", &[SUBSCRIBER_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    let endpoint = Receiver::start(|_, _| (200, vec![]));
+    su.execute(
+        "SELECT outbox.create_http_sink('hook', $1, topics => ARRAY['big'])",
+        &[&endpoint.url("/in")],
+    )
+    .unwrap();
+    shipping
+        .batch_execute(
+            "CREATE TABLE shipping.calls (events int, bytes bigint, first int);
+             CREATE TABLE shipping.got (n int);
+             CREATE FUNCTION shipping.h(e outbox.event[]) RETURNS void LANGUAGE sql AS $$
+               INSERT INTO shipping.calls
+                 SELECT count(*), sum(octet_length(x.payload::text)), min((x.payload->>'n')::int)
+                   FROM unnest(e) x;
+               INSERT INTO shipping.got SELECT (x.payload->>'n')::int FROM unnest(e) x $$;
+             SELECT outbox.create_sink('sql', 'shipping.h(outbox.event[])', topics => ARRAY['big'],
+                                       batch_size => 1000);",
+        )
+        .unwrap();
+    loyalty
+        .batch_execute(
+            "SELECT outbox.subscribe('reads_payload', ARRAY['big'], queue => 'big_q',
+                                     filter => 'payload.n >= 0');",
+        )
+        .unwrap();
+    // Ten events of 300 kB each, in one transaction: 3 MB in all, but a few kB compressed.
+    app.batch_execute(
+        "SELECT outbox.raise('big', jsonb_build_object('n', n, 'blob', repeat('x', 300000)))
+           FROM generate_series(1, 10) n",
+    )
+    .unwrap();
+    eventually(
+        "the SQL sink to get all ten",
+        Duration::from_secs(30),
+        || (count(&mut su, "SELECT count(*) FROM shipping.got") == 10).then_some(()),
+    );
+    let got: Vec<i32> = su
+        .query("SELECT n FROM shipping.got ORDER BY ctid", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(got, (1..=10).collect::<Vec<_>>(), "each once, in order");
+    // 1 MB holds three of them: never more in one call, however many the batch size allows.
+    let most: i32 = su
+        .query_one("SELECT max(events) FROM shipping.calls", &[])
+        .unwrap()
+        .get(0);
+    assert!(
+        (1..=3).contains(&most),
+        "a call got {most} events of 300 kB"
+    );
+    eventually(
+        "the HTTP sink to get all ten",
+        Duration::from_secs(30),
+        || {
+            let events: usize = endpoint
+                .received()
+                .iter()
+                .map(|r| {
+                    String::from_utf8_lossy(&r.body)
+                        .matches("\"specversion\"")
+                        .count()
+                })
+                .sum();
+            (events >= 10).then_some(())
+        },
+    );
+    for r in endpoint.received() {
+        assert!(
+            r.body.len() < 1024 * 1024 + 4096,
+            "a request of {} bytes",
+            r.body.len()
+        );
+    }
+    eventually("a job for each of the ten", Duration::from_secs(30), || {
+        (count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'big_q'",
+        ) == 10)
+            .then_some(())
+    });
+}
+
+#[test]
+fn a_window_that_cannot_be_rendered_is_bisected_not_retried_for_ever() {
+    use pg_outbox_tests::http_server::Receiver;
+    let db = worker_db("sec_render_failure");
+    // Only a superuser can make a window this large: events of 60 MB, windows of up to 1 GB.
+    let _settings = Settings::loopback_http(&db)
+        .set("pg_outbox.max_event_size", "64MB", "1MB")
+        .set("pg_outbox.max_batch_bytes", "1GB", "16MB");
+    let mut su = db.connect();
+    let endpoint = Receiver::start(|_, _| (200, vec![]));
+    su.execute(
+        "SELECT outbox.create_http_sink('hook', $1, topics => ARRAY['huge'])",
+        &[&endpoint.url("/in")],
+    )
+    .unwrap();
+    // Five events whose CloudEvents batch passes jsonb's 256 MB limit: the whole window cannot be
+    // rendered, its halves can.
+    su.batch_execute(
+        "SELECT outbox.raise('huge', jsonb_build_object('n', n, 'blob', repeat('x', 60000000)))
+           FROM generate_series(1, 5) n",
+    )
+    .unwrap();
+    let delivered = || -> usize {
+        endpoint
+            .received()
+            .iter()
+            .filter(|r| r.status == 200)
+            .map(|r| {
+                String::from_utf8_lossy(&r.body)
+                    .matches("\"specversion\"")
+                    .count()
+            })
+            .sum()
+    };
+    eventually("all five delivered", Duration::from_secs(90), || {
+        (delivered() >= 5).then_some(())
+    });
+    assert_eq!(
+        count(&mut su, "SELECT count(*) FROM outbox.dead_letters"),
+        0
+    );
+    let error: Option<String> = su
+        .query_one(
+            "SELECT last_error FROM outbox.status() WHERE name = 'hook'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("rendering the batch failed"),
+        "the failure is counted and shown: {error:?}"
+    );
+}
+
+#[test]
+fn a_schedule_whose_owner_lost_its_rights_skips_its_runs() {
+    let db = worker_db("sec_schedule_rights");
+    let mut su = db.connect();
+    let mut reports = tenant(
+        &db,
+        "reports",
+        &[
+            APP_GRANTS,
+            JOB_GRANTS,
+            "GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb),
+                 outbox.unschedule(text) TO {r};",
+        ],
+    );
+    reports
+        .batch_execute(
+            "SELECT outbox.schedule('tick', every => '1 hour', topic => 'sched.tick');
+             SELECT outbox.schedule('digest', every => '1 hour', queue => 'reports_q');",
+        )
+        .unwrap();
+    let fire_now = |su: &mut Client, expect: i64| {
+        su.batch_execute(
+            "UPDATE outbox.schedules SET next_run = now() - interval '1 second'; SELECT outbox.wake();",
+        )
+        .unwrap();
+        eventually("both schedules to fire", Duration::from_secs(20), || {
+            (count(su, "SELECT sum(fired)::int8 FROM outbox.schedules") == expect).then_some(())
+        });
+    };
+    let written = |su: &mut Client| {
+        (
+            count(
+                su,
+                "SELECT count(*) FROM outbox.events WHERE topic = 'sched.tick'",
+            ),
+            count(
+                su,
+                "SELECT count(*) FROM outbox.jobs WHERE queue = 'reports_q'",
+            ),
+        )
+    };
+    fire_now(&mut su, 2);
+    assert_eq!(written(&mut su), (1, 1));
+    // The owner may no longer raise nor enqueue: the runs come and go, writing nothing.
+    su.batch_execute(
+        "REVOKE EXECUTE ON FUNCTION outbox.raise(text, jsonb, text, text, jsonb),
+                outbox.enqueue(text, jsonb, timestamptz, text, integer) FROM reports;",
+    )
+    .unwrap();
+    fire_now(&mut su, 4);
+    assert_eq!(
+        written(&mut su),
+        (1, 1),
+        "nothing written as a role that may not"
+    );
+    let log = db.cluster().log();
+    for target in ["topic sched.tick", "queue reports_q"] {
+        assert!(
+            log.contains(&format!(
+                "its owner reports may no longer write to {target}"
+            )),
+            "a WARNING names the skipped run of {target}"
+        );
+    }
+    // Given back, the next runs write again.
+    su.batch_execute(
+        "GRANT EXECUTE ON FUNCTION outbox.raise(text, jsonb, text, text, jsonb),
+                outbox.enqueue(text, jsonb, timestamptz, text, integer) TO reports;",
+    )
+    .unwrap();
+    fire_now(&mut su, 6);
+    assert_eq!(written(&mut su), (2, 2));
 }

@@ -81,6 +81,11 @@ pub const MAX_BRACKETS: usize = 12;
 /// (`1 + 1 + ... > 0` with 300 terms overflowed the worker's stack on a debug build).
 pub const MAX_DEPTH: usize = 24;
 
+/// The most evaluation steps a filter may take on one event in the worst case, as `estimated_cost`
+/// reckons it (the static half of the budget, as Kubernetes bounds CEL rules before running them:
+/// what is refused here never runs; what passes is still stopped at run time by the budget).
+pub const COST_MAX: f64 = 1e7;
+
 /// The deepest a filter may be once the budget's hooks are in (see `MAX_DEPTH`).
 pub const INSTRUMENTED_DEPTH: usize = 3 * MAX_DEPTH;
 /// The longest pattern `matches` may be given.
@@ -178,6 +183,56 @@ fn bracket_depth(source: &str) -> usize {
     deepest
 }
 
+/// Evaluation steps of `e` on one event in the worst case: a node is a step, and a comprehension
+/// runs its condition and step once per element of its range. A range written as a literal list
+/// or map has its size; a `map` or `filter` of one at most that many; any other range (event data,
+/// a variable) may hold up to `EVENT_VALUES_MAX` elements. So nested comprehensions over event
+/// data multiply out of bounds, as they would at run time. Recursive: called only on trees within
+/// `MAX_DEPTH`.
+fn estimated_cost(e: &cel::parser::Expression) -> f64 {
+    use cel::common::ast::{EntryExpr, Expr};
+    fn range_size(e: &cel::parser::Expression) -> f64 {
+        match &e.expr {
+            Expr::List(list) => list.elements.len() as f64,
+            Expr::Map(map) => map.entries.len() as f64,
+            Expr::Comprehension(c) => range_size(&c.iter_range),
+            _ => EVENT_VALUES_MAX as f64,
+        }
+    }
+    1.0 + match &e.expr {
+        Expr::Call(call) => {
+            call.target.as_deref().map_or(0.0, estimated_cost)
+                + call.args.iter().map(estimated_cost).sum::<f64>()
+        }
+        Expr::Comprehension(c) => {
+            estimated_cost(&c.iter_range)
+                + estimated_cost(&c.accu_init)
+                + range_size(&c.iter_range)
+                    * (estimated_cost(&c.loop_cond) + estimated_cost(&c.loop_step))
+                + estimated_cost(&c.result)
+        }
+        Expr::List(list) => list.elements.iter().map(estimated_cost).sum(),
+        Expr::Map(map) => map
+            .entries
+            .iter()
+            .map(|entry| match &entry.expr {
+                EntryExpr::MapEntry(m) => estimated_cost(&m.key) + estimated_cost(&m.value),
+                _ => 0.0,
+            })
+            .sum(),
+        Expr::Struct(st) => st
+            .entries
+            .iter()
+            .map(|entry| match &entry.expr {
+                EntryExpr::StructField(f) => estimated_cost(&f.value),
+                _ => 0.0,
+            })
+            .sum(),
+        Expr::Select(select) => estimated_cost(&select.operand),
+        Expr::Unspecified | Expr::Ident(_) | Expr::Literal(_) => 0.0,
+    }
+}
+
 /// The depth of an expression tree, walked with a stack of its own (a deep tree must not
 /// overflow this walk either).
 fn expression_depth(root: &cel::parser::Expression) -> usize {
@@ -251,6 +306,13 @@ impl Filter {
         if depth > MAX_DEPTH {
             return Err(too_complex(format!(
                 "an expression {depth} levels deep, at most {MAX_DEPTH}"
+            )));
+        }
+        let cost = estimated_cost(program.expression());
+        if cost > COST_MAX {
+            return Err(too_complex(format!(
+                "up to {cost:.0e} steps per event, at most {COST_MAX:.0e} (a comprehension over \
+                 event data counts {EVENT_VALUES_MAX} elements: nest no comprehension in one)"
             )));
         }
         // `matches` compiles its pattern on every call, and a pattern from the event could make
@@ -550,6 +612,40 @@ mod tests {
                 started.elapsed() < std::time::Duration::from_secs(20),
                 "{source}"
             );
+        }
+    }
+
+    #[test]
+    fn a_worst_case_over_the_cost_limit_is_refused_before_it_runs() {
+        let list = "[0,1,2,3,4,5,6,7,8,9]";
+        let nested_over_literals = |depth: usize| {
+            let mut body = "true".to_string();
+            for i in (0..depth).rev() {
+                body = format!("{list}.all(v{i}, {body})");
+            }
+            body
+        };
+        for source in [
+            // Issue #10's 10^10 steps: every inner range is a variable, so event-sized.
+            "[[0,1,2,3,4,5,6,7,8,9]].all(L, L.all(a, L.all(b, L.all(c, true))))",
+            "payload.items.all(a, payload.items.all(b, a + b >= 0))",
+            "payload.orders.exists(o, o.items.exists(i, i.qty > 1))",
+            &nested_over_literals(8),
+        ] {
+            let e = Filter::compile(source).unwrap_err();
+            assert!(
+                e.message.contains("too complex") && e.message.contains("steps per event"),
+                "{source}: {}",
+                e.message
+            );
+        }
+        for source in [
+            "payload.items.exists(i, i.sku == 'A-1' && i.qty > 2 && i.price < 100.0)",
+            "payload.tags.all(t, t.startsWith('x')) || subject == 'y'",
+            "[1, 2, 3].map(x, x * 2).exists(y, y == payload.n)",
+            &nested_over_literals(5),
+        ] {
+            Filter::compile(source).unwrap_or_else(|e| panic!("{source}: {}", e.message));
         }
     }
 

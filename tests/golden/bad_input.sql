@@ -626,6 +626,10 @@ SELECT outbox.subscribe('sub3', queue => 'q2', filter => 'payload.a' || repeat('
 SELECT outbox.subscribe('sub3', queue => 'q2', filter => 'subject.matches(payload.pattern)');
 SELECT outbox.subscribe('sub3', queue => 'q2', filter => 'subject.matches("^a" + "b")');
 SELECT outbox.subscribe('sub3', queue => 'q2', filter => 'subject.matches("' || repeat('a', 257) || '")');
+-- a worst case past the static cost limit: comprehensions nested over event data, or over
+-- literal lists that multiply past it
+SELECT outbox.subscribe('sub3', queue => 'q2', filter => 'payload.items.all(a, payload.items.all(b, a + b >= 0))');
+SELECT outbox.subscribe('sub3', queue => 'q2', filter => '[[0,1,2,3,4,5,6,7,8,9]].all(L, L.all(a, L.all(b, true)))');
 -- accepted, though the workers then count an error on every event: a filter that does not give
 -- a boolean
 BEGIN;

@@ -17,20 +17,93 @@ use pgrx::pgrx_sql_entity_graph::metadata::{
     ArgumentError, ReturnsError, ReturnsRef, SqlMappingRef, SqlTranslatable, TypeOrigin,
 };
 use pgrx::prelude::*;
-use pgrx::{IntoDatum, PgMemoryContexts};
+use pgrx::spi::OwnedPreparedStatement;
+use pgrx::{IntoDatum, PgMemoryContexts, PgOid};
 
-/// Runs `SELECT outbox._<function>(args..., who)` as the log's owner, with the caller as `who`,
-/// and returns its one value.
-fn call<T: pgrx::FromDatum + IntoDatum>(sql: &str, mut args: Vec<DatumWithOid<'_>>) -> Option<T> {
-    args.push(DatumWithOid::from(caller()));
-    as_owner(|| Spi::get_one_with_args::<T>(sql, &args)).unwrap_or_else(|e| panic!("{sql}: {e}"))
-}
-
-/// `call` for a function that returns nothing.
+/// Runs `SELECT outbox._<function>(args..., who)` as the log's owner, with the caller as `who`
+/// (the calls that are not on the hot path: no kept plan).
 fn run(sql: &str, mut args: Vec<DatumWithOid<'_>>) {
     args.push(DatumWithOid::from(caller()));
     as_owner(|| Spi::run_with_args(sql, &args)).unwrap_or_else(|e| panic!("{sql}: {e}"))
 }
+
+/// A statement of the job calls' hot path (`enqueue`, `claim`, `complete`...): its plan is made
+/// once per backend and kept, so a call does not parse and plan it again (that was half of what
+/// an `enqueue` cost). `types`: of its parameters, the caller's oid last.
+struct Hot {
+    sql: &'static str,
+    types: &'static [pg_sys::PgBuiltInOids],
+}
+
+thread_local! {
+    static PLANS: std::cell::RefCell<std::collections::HashMap<&'static str, std::rc::Rc<OwnedPreparedStatement>>> =
+        Default::default();
+}
+
+/// The kept plan of `hot`, made on first use. Names in it are qualified, so the search_path it is
+/// made under does not matter; a plan whose functions are replaced (an extension update) is made
+/// again by the plan cache.
+fn plan(hot: &Hot) -> std::rc::Rc<OwnedPreparedStatement> {
+    if let Some(plan) = PLANS.with(|p| p.borrow().get(hot.sql).cloned()) {
+        return plan;
+    }
+    let types: Vec<PgOid> = hot.types.iter().map(|t| PgOid::BuiltIn(*t)).collect();
+    let plan = std::rc::Rc::new(
+        as_owner(|| Spi::connect(|c| c.prepare_mut(hot.sql, &types).map(|s| s.keep())))
+            .unwrap_or_else(|e| panic!("preparing {}: {e}", hot.sql)),
+    );
+    PLANS.with(|p| p.borrow_mut().insert(hot.sql, plan.clone()));
+    plan
+}
+
+/// Runs `hot` as the log's owner with the caller appended to `args`, and reads its result.
+fn execute<R>(
+    hot: &Hot,
+    mut args: Vec<DatumWithOid<'_>>,
+    read: impl FnOnce(pgrx::spi::SpiTupleTable<'_>) -> Result<R, pgrx::spi::Error>,
+) -> R {
+    args.push(DatumWithOid::from(caller()));
+    let plan = plan(hot);
+    as_owner(|| Spi::connect_mut(|client| read(client.update(&*plan, None, &args)?)))
+        .unwrap_or_else(|e| panic!("{}: {e}", hot.sql))
+}
+
+/// `execute` for a statement that gives one value.
+fn execute_one<T: pgrx::FromDatum + IntoDatum>(
+    hot: &Hot,
+    args: Vec<DatumWithOid<'_>>,
+) -> Option<T> {
+    execute(hot, args, |t| t.first().get_one::<T>())
+}
+
+use pg_sys::BuiltinOid::{
+    BOOLOID, INT4OID, INT8ARRAYOID, INT8OID, INTERVALOID, JSONBOID, OIDOID, TEXTOID, TIMESTAMPTZOID,
+};
+
+const ENQUEUE: Hot = Hot {
+    sql: "SELECT outbox._enqueue($1, $2, $3, $4, $5, $6)",
+    types: &[TEXTOID, JSONBOID, TIMESTAMPTZOID, TEXTOID, INT4OID, OIDOID],
+};
+const CLAIM: Hot = Hot {
+    sql: "SELECT c FROM outbox._claim($1, $2, $3, $4) c",
+    types: &[TEXTOID, INT4OID, INTERVALOID, OIDOID],
+};
+const COMPLETE: Hot = Hot {
+    sql: "SELECT outbox._complete_many(ARRAY[$1], $2)",
+    types: &[INT8OID, OIDOID],
+};
+const COMPLETE_MANY: Hot = Hot {
+    sql: "SELECT outbox._complete_many($1, $2)",
+    types: &[INT8ARRAYOID, OIDOID],
+};
+const FAIL: Hot = Hot {
+    sql: "SELECT outbox._fail($1, $2, $3, $4)",
+    types: &[INT8OID, TEXTOID, BOOLOID, OIDOID],
+};
+const EXTEND: Hot = Hot {
+    sql: "SELECT outbox._extend($1, $2, $3)",
+    types: &[INT8OID, INTERVALOID, OIDOID],
+};
 
 /// A row of type `outbox.job`, copied out of SPI into the memory of the set-returning call.
 pub struct Job(pg_sys::Datum);
@@ -122,8 +195,8 @@ fn enqueue(
     key: default!(Option<&str>, "NULL"),
     max_attempts: default!(Option<i32>, "10"),
 ) -> Option<i64> {
-    call::<i64>(
-        "SELECT outbox._enqueue($1, $2, $3, $4, $5, $6)",
+    execute_one::<i64>(
+        &ENQUEUE,
         vec![
             DatumWithOid::from(queue),
             payload.map_or_else(DatumWithOid::null::<pgrx::JsonB>, |p| {
@@ -146,19 +219,14 @@ fn claim(
 ) -> SetOfIterator<'static, Job> {
     // The memory of this set-returning call: the rows must outlive SPI's.
     let target = PgMemoryContexts::CurrentMemoryContext.value();
-    let who = caller();
-    let jobs = as_owner(|| {
-        Spi::connect_mut(|client| {
-            let rows = client.update(
-                "SELECT c FROM outbox._claim($1, $2, $3, $4) c",
-                None,
-                &[
-                    DatumWithOid::from(queue),
-                    DatumWithOid::from(max_jobs),
-                    DatumWithOid::from(lease),
-                    DatumWithOid::from(who),
-                ],
-            )?;
+    let jobs = execute(
+        &CLAIM,
+        vec![
+            DatumWithOid::from(queue),
+            DatumWithOid::from(max_jobs),
+            DatumWithOid::from(lease),
+        ],
+        |rows| {
             let mut jobs = Vec::with_capacity(rows.len());
             for row in rows {
                 if let Some(datum) = row.get_datum_by_ordinal(1)?.value::<RawDatum>()? {
@@ -171,10 +239,9 @@ fn claim(
                     jobs.push(Job(pg_sys::Datum::from(copy)));
                 }
             }
-            Ok::<_, pgrx::spi::Error>(jobs)
-        })
-    })
-    .unwrap_or_else(|e| panic!("claim: {e}"));
+            Ok(jobs)
+        },
+    );
     SetOfIterator::new(jobs)
 }
 
@@ -210,19 +277,13 @@ impl IntoDatum for RawDatum {
 #[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
 fn complete(job: Option<i64>) -> bool {
     let job = pg_outbox_core::required(job, "job").or_report();
-    call::<i32>(
-        "SELECT outbox._complete_many(ARRAY[$1], $2)",
-        vec![DatumWithOid::from(job)],
-    ) == Some(1)
+    execute_one::<i32>(&COMPLETE, vec![DatumWithOid::from(job)]) == Some(1)
 }
 
 /// `complete` for many jobs in one statement; returns how many were completed.
 #[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
 fn complete_many(jobs: Option<Vec<Option<i64>>>) -> Option<i32> {
-    call::<i32>(
-        "SELECT outbox._complete_many($1, $2)",
-        vec![DatumWithOid::from(jobs)],
-    )
+    execute_one::<i32>(&COMPLETE_MANY, vec![DatumWithOid::from(jobs)])
 }
 
 /// Fails a job this caller holds: back to waiting with a back-off while attempts remain and
@@ -233,8 +294,8 @@ fn fail(
     error: default!(Option<&str>, "NULL"),
     retry: default!(Option<bool>, "true"),
 ) -> Option<String> {
-    call::<String>(
-        "SELECT outbox._fail($1, $2, $3, $4)",
+    execute_one::<String>(
+        &FAIL,
         vec![
             DatumWithOid::from(job),
             DatumWithOid::from(error),
@@ -246,8 +307,8 @@ fn fail(
 /// Extends the lease of a running job; false when it is not running.
 #[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
 fn extend(job: Option<i64>, lease: default!(Option<Interval>, "'30 seconds'")) -> Option<bool> {
-    call::<bool>(
-        "SELECT outbox._extend($1, $2, $3)",
+    execute_one::<bool>(
+        &EXTEND,
         vec![DatumWithOid::from(job), DatumWithOid::from(lease)],
     )
 }

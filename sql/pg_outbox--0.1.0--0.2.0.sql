@@ -657,8 +657,8 @@ RETURNS TABLE (
     name            text,
     kind            text,
     "position"      text,
-    events_behind   bigint,         -- readable events after the cursor
-    age_behind      interval,       -- age of the oldest of them
+    events_behind   bigint,         -- readable events after the cursor that it will receive (its topics)
+    age_behind      interval,       -- age of the oldest event of its topics it has not passed, readable or not
     state           text,           -- idle | behind | delivering | backing off | down | paused | held by horizon
     next_attempt_at timestamptz,
     attempts        integer,
@@ -673,15 +673,14 @@ RETURNS TABLE (
     predicate_errors bigint
 )
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x),
-         waiting AS (SELECT count(*) AS n FROM outbox.events, h WHERE txid >= h.x)
+    WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x)
     SELECT c.name, c.kind, c.txid::text || ':' || c.seq::text, b.n, now() - b.oldest,
            CASE WHEN s.paused OR sub.paused THEN 'paused'
                 WHEN s.down THEN 'down'
                 WHEN s.next_attempt_at > now() THEN 'backing off'
                 WHEN b.n > 0 AND c.kind = 'sink' THEN 'delivering'
                 WHEN b.n > 0 THEN 'behind'
-                WHEN waiting.n > 0 THEN 'held by horizon'
+                WHEN b.held > 0 THEN 'held by horizon'
                 ELSE 'idle' END,
            s.next_attempt_at, greatest(s.attempts, s.transient), s.current_batch,
            CASE WHEN coalesce(s.last_error, sub.last_predicate_error) IS NULL THEN NULL
@@ -694,10 +693,15 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
       FROM outbox.consumers c
       LEFT JOIN outbox.sinks s ON s.id = c.name
       LEFT JOIN outbox.subscriptions sub ON sub.name = c.name
-     CROSS JOIN h CROSS JOIN waiting
-     CROSS JOIN LATERAL (SELECT count(*) AS n, min(e.raised_at) AS oldest
+     CROSS JOIN h
+     -- Only the events of its topics (a pull consumer has none: all of them): readable, the
+     -- oldest readable or not, and those held behind the horizon.
+     CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE e.txid < h.x) AS n, min(e.raised_at) AS oldest,
+                                count(*) FILTER (WHERE e.txid >= h.x) AS held
                            FROM outbox.events e
-                          WHERE (e.txid, e.seq) > (c.txid, c.seq) AND e.txid < h.x) b
+                          WHERE (e.txid, e.seq) > (c.txid, c.seq)
+                            AND (coalesce(s.topic_regex, sub.topic_regex) IS NULL
+                                 OR e.topic ~ coalesce(s.topic_regex, sub.topic_regex))) b
      ORDER BY c.name
 $$;
 

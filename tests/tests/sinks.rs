@@ -648,3 +648,79 @@ fn a_handler_that_runs_past_the_sink_timeout_is_cancelled_and_counted_as_a_failu
     assert_eq!(rows.len(), 1);
     db.cluster().set("pg_outbox.sink_timeout", "30s");
 }
+
+#[test]
+fn status_counts_only_the_events_of_a_readers_topics_and_the_age_of_the_oldest() {
+    let db = worker_db("status_topics");
+    let mut c = db.connect();
+    c.batch_execute(
+        "CREATE FUNCTION public.nothing(e outbox.event[]) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+         CREATE FUNCTION public.nothing_one(e outbox.event) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+         SELECT outbox.create_sink('orders', 'public.nothing(outbox.event[])', ARRAY['order.*']);
+         SELECT outbox.pause_sink('orders');
+         SELECT outbox.subscribe('refunds', ARRAY['refund.#'], 'public.nothing_one(outbox.event)');
+         SELECT outbox.pause_subscription('refunds');
+         SELECT outbox.create_consumer('all');
+         SELECT outbox.raise('order.placed') FROM generate_series(1, 3);
+         SELECT outbox.raise('refund.issued.eu');
+         SELECT outbox.raise('stock.moved') FROM generate_series(1, 5);",
+    )
+    .unwrap();
+    let behind = |c: &mut Client| -> Vec<(String, i64, bool, String)> {
+        c.query(
+            "SELECT name, events_behind, age_behind IS NOT NULL, state FROM outbox.status() \
+             ORDER BY name",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+    };
+    assert_eq!(
+        behind(&mut c),
+        [
+            ("all".to_string(), 9, true, "behind".to_string()),
+            ("orders".into(), 3, true, "paused".into()),
+            ("refunds".into(), 1, true, "paused".into()),
+        ]
+    );
+    // Held behind a running transaction: the oldest is still aged, and only a reader whose
+    // topics it holds waits for it.
+    let mut holder = db.connect();
+    holder
+        .batch_execute("BEGIN; SELECT pg_current_xact_id();")
+        .unwrap();
+    c.batch_execute(
+        "SELECT outbox.advance('all', (SELECT r.position FROM outbox.read('all', 100) WITH ORDINALITY r
+                                       ORDER BY r.ordinality DESC LIMIT 1));
+         SELECT outbox.raise('stock.moved');",
+    )
+    .unwrap();
+    let all: (i64, bool, String) = {
+        let r = c
+            .query_one(
+                "SELECT events_behind, age_behind IS NOT NULL, state FROM outbox.status() \
+                 WHERE name = 'all'",
+                &[],
+            )
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!(all, (0, true, "held by horizon".to_string()));
+    c.batch_execute("SELECT outbox.resume_sink('orders')")
+        .unwrap();
+    eventually("orders to pass its events", Duration::from_secs(20), || {
+        let r = c
+            .query_one(
+                "SELECT events_behind, age_behind IS NULL, state FROM outbox.status() \
+                 WHERE name = 'orders'",
+                &[],
+            )
+            .unwrap();
+        // The stock event behind the horizon is not its topic: it is idle, not held.
+        (r.get::<_, i64>(0) == 0 && r.get::<_, bool>(1) && r.get::<_, String>(2) == "idle")
+            .then_some(())
+    });
+    holder.batch_execute("ROLLBACK").unwrap();
+}

@@ -40,6 +40,13 @@ pub fn pin_worker_settings() {
     }
 }
 
+/// Names the worker in `pg_stat_activity.application_name` (`pg_outbox worker <slot>`): operators
+/// and monitoring find it there as they find any client.
+pub fn name_worker(slot: usize) {
+    let name = std::ffi::CString::new(format!("pg_outbox worker {slot}")).expect("no NUL");
+    set(c"application_name", &name);
+}
+
 fn set(name: &CStr, value: &CStr) {
     set_config(name, value, pg_sys::GucAction::GUC_ACTION_SET);
 }

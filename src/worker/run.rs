@@ -77,7 +77,10 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
     let hung = slot_started(slot);
     // Before any statement of the worker's own: see crate::isolation.
-    if let Err(e) = in_transaction(crate::isolation::pin_worker_settings) {
+    if let Err(e) = in_transaction(|| {
+        crate::isolation::pin_worker_settings();
+        crate::isolation::name_worker(slot);
+    }) {
         pgrx::warning!("pg_outbox worker {slot}: cannot pin its settings, restarting: {e}");
         slot_stopped(slot);
         // SAFETY: ends this process; exit code 1 asks the postmaster to start the worker again.
@@ -147,6 +150,7 @@ impl Worker {
             slot_busy(self.slot, true);
             let timeout = self.step();
             slot_busy(self.slot, false);
+            idle();
             if !self.wait(timeout) {
                 self.abandon_flights();
                 return;
@@ -248,6 +252,9 @@ impl Worker {
                 if self.in_flight.iter().any(|f| f.sink_id() == sink) {
                     continue;
                 }
+                activity(&format!(
+                    "http sink \"{sink}\": reading and sending a batch"
+                ));
                 match dispatch::http::start(&sink, &mut self.agents) {
                     Ok(dispatch::http::Started::InFlight(flight)) => {
                         self.in_flight.push(*flight);
@@ -257,6 +264,7 @@ impl Worker {
                     Err(e) => Err(e),
                 }
             } else {
+                activity(&format!("sink \"{sink}\": delivering a batch"));
                 in_transaction(|| dispatch::pass(&sink))
             };
             results.push((sink, result));
@@ -282,11 +290,14 @@ impl Worker {
         }
         // Due schedules fire in one statement; with several workers each run fires once.
         match schedule_due_in {
-            Some(0) => match in_transaction(crate::schedule::fire_due) {
-                // Look again soon: the next run, or a run that came due meanwhile.
-                Ok(_) => sleep = sleep.min(Duration::from_millis(1)),
-                Err(e) => self.failed(&format!("firing schedules: {e}")),
-            },
+            Some(0) => {
+                activity("firing due schedules");
+                match in_transaction(crate::schedule::fire_due) {
+                    // Look again soon: the next run, or a run that came due meanwhile.
+                    Ok(_) => sleep = sleep.min(Duration::from_millis(1)),
+                    Err(e) => self.failed(&format!("firing schedules: {e}")),
+                }
+            }
             Some(ms) => sleep = sleep.min(Duration::from_millis(ms as u64)),
             None => {}
         }
@@ -338,6 +349,7 @@ impl Worker {
         let mut more = false;
         // One pass serves every subscription this worker can lease.
         let names: Vec<&str> = subscriptions.iter().map(|(n, _)| n.as_str()).collect();
+        activity(&format!("fan-out of {} subscriptions", names.len()));
         match in_transaction(|| dispatch::fanout::pass(&names)) {
             Ok(PassResult::Delivered { events, full }) => {
                 slot_pass(self.slot, events as u64);
@@ -385,6 +397,7 @@ impl Worker {
                 if self.stopping() {
                     return (false, None);
                 }
+                activity(&format!("subscription \"{name}\": running jobs"));
                 match in_transaction(|| dispatch::jobs::run(&name)) {
                     Ok(ran) => {
                         slot_pass(self.slot, ran.done as u64);
@@ -458,6 +471,7 @@ impl Worker {
             return;
         }
         self.last_prune = Some(Instant::now());
+        activity("pruning the log");
         match in_transaction(crate::prune::prune_for_worker) {
             Ok(n) if n > 0 => pgrx::log!("pg_outbox: pruned {n} events"),
             Ok(_) => {}
@@ -514,4 +528,19 @@ fn wait(timeout: Duration) -> bool {
     };
     pg_sys::check_for_interrupts!();
     rc & pg_sys::WL_POSTMASTER_DEATH as i32 == 0
+}
+
+/// Shows the step the worker is on in `pg_stat_activity` (`state` active, `query` the step: the
+/// sink or subscription and what it does). Handlers' own statements are not shown there (SPI does
+/// not report them); the step names what runs them.
+fn activity(what: &str) {
+    let what = std::ffi::CString::new(format!("pg_outbox: {what}")).expect("no NUL in names");
+    // SAFETY: copies the string into this backend's shared status entry.
+    unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_RUNNING, what.as_ptr()) };
+}
+
+/// Between rounds: `state` idle, `query` the last step.
+fn idle() {
+    // SAFETY: as above; a null text keeps the last one.
+    unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null()) };
 }

@@ -128,3 +128,43 @@ fn without_preloading_the_worker_features_refuse_with_a_hint_and_raise_still_wor
         std::panic::resume_unwind(e);
     }
 }
+
+#[test]
+fn the_workers_show_in_pg_stat_activity_what_they_are_doing() {
+    let db = worker_db("activity");
+    let mut c = db.connect();
+    c.batch_execute(
+        "CREATE FUNCTION public.slow(e outbox.event[]) RETURNS void LANGUAGE sql AS
+           $$ SELECT pg_sleep(3) $$;
+         SELECT outbox.create_sink('slow', 'public.slow(outbox.event[])');
+         SELECT outbox.raise('x.y');",
+    )
+    .unwrap();
+    let (app, state) = eventually(
+        "a worker to show the sink it delivers to",
+        Duration::from_secs(10),
+        || {
+            c.query(
+                "SELECT application_name, state FROM pg_stat_activity \
+                  WHERE backend_type = 'pg_outbox worker' \
+                    AND query = 'pg_outbox: sink \"slow\": delivering a batch'",
+                &[],
+            )
+            .unwrap()
+            .first()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+        },
+    );
+    assert!(app.starts_with("pg_outbox worker "), "{app}");
+    assert_eq!(state, "active");
+    // Every worker is named, busy or not.
+    let named: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker' \
+               AND application_name LIKE 'pg_outbox worker %'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(named, 2);
+}

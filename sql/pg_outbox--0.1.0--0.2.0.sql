@@ -15,11 +15,17 @@
 -- outbox.queue_privileges() lists them, outbox.revoke_queue() narrows them.
 \echo Use "ALTER EXTENSION pg_outbox UPDATE TO '0.2.0'" to load this file. \quit
 
--- Two namespaces for keys: enqueue()'s per queue, the fan-out's per queue, subscription and
--- event. Both stay unique on the rows 0.1.0 left (its one index covered both).
+-- Namespaces for keys: enqueue()'s per queue, the fan-out's per queue, subscription and event,
+-- a schedule's per queue and schedule. All stay unique on the rows 0.1.0 left (its one index
+-- covered them all).
+-- A schedule's runs get a namespace of their own too. (0.1.0's waiting runs keep their place in
+-- enqueue()'s, where they were queued.)
+ALTER TABLE outbox.jobs ADD COLUMN schedule text;
 DROP INDEX outbox.jobs_waiting_key;
 CREATE UNIQUE INDEX jobs_waiting_key ON outbox.jobs (queue, key)
-    WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL;
+    WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL AND schedule IS NULL;
+CREATE UNIQUE INDEX jobs_waiting_run ON outbox.jobs (queue, schedule, key)
+    WHERE schedule IS NOT NULL AND state = 'waiting';
 CREATE UNIQUE INDEX jobs_waiting_event ON outbox.jobs (queue, subscription, event)
     WHERE subscription IS NOT NULL AND state = 'waiting';
 
@@ -93,7 +99,8 @@ BEGIN
             DETAIL = format('role %s may not %s on it', who::regrole,
                             CASE privilege WHEN 'enqueue' THEN 'enqueue jobs' WHEN 'own' THEN 'act as its owner'
                                            ELSE 'work (claim, complete, fail, extend or replay jobs)' END),
-            HINT = 'the queue''s owner grants it with outbox.grant_queue()';
+            HINT = CASE privilege WHEN 'own' THEN 'a subscription with a handler queues its jobs on a queue of its own name, which its role must own: choose another name'
+                   ELSE 'the queue''s owner grants it with outbox.grant_queue()' END;
     END IF;
 END
 $$;
@@ -273,12 +280,14 @@ BEGIN
     END IF;
     INSERT INTO outbox.jobs AS j (queue, payload, key, run_at, max_attempts)
     VALUES (queue, coalesce(payload, '{}'), key, coalesce(run_at, now()), max_attempts)
-    ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL DO NOTHING
+    ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL AND schedule IS NULL
+    DO NOTHING
     RETURNING j.id INTO job;
     IF job IS NULL THEN
         -- The key is already waiting: that job stands for this one.
         SELECT j.id INTO job FROM outbox.jobs j
-         WHERE j.queue = _enqueue.queue AND j.key = _enqueue.key AND j.state = 'waiting' AND j.subscription IS NULL;
+         WHERE j.queue = _enqueue.queue AND j.key = _enqueue.key AND j.state = 'waiting'
+           AND j.subscription IS NULL AND j.schedule IS NULL;
     END IF;
     RETURN job;
 END
@@ -380,6 +389,13 @@ BEGIN
            pg_catalog.min(p.queue) FILTER (WHERE NOT outbox._may(p.queue, who, 'work'))
       INTO n, denied
       FROM per_queue p;
+    -- Not all completed: those left must not be another role's (a refusal whatever their state,
+    -- so that the answer tells nothing about another role's jobs).
+    IF denied IS NULL AND n OPERATOR(pg_catalog.<) pg_catalog.cardinality(jobs) THEN
+        SELECT pg_catalog.min(q.queue) INTO denied
+          FROM (SELECT DISTINCT j.queue FROM outbox.jobs j WHERE j.id OPERATOR(pg_catalog.=) ANY (jobs)) q
+         WHERE NOT outbox._may(q.queue, who, 'work');
+    END IF;
     IF denied IS NOT NULL THEN
         PERFORM outbox._check_may(denied, who, 'work');
     END IF;
@@ -627,15 +643,21 @@ BEGIN
                        ELSE has_function_privilege(s.owner, 'outbox.enqueue(text, jsonb, timestamptz, text, integer)', 'EXECUTE')
                             AND outbox._may(s.queue, s.owner, 'enqueue')
                   END AS allowed
+    ), queued AS (
+        -- A run's job, keyed <schedule>@<instant> in the schedule's own namespace (index
+        -- jobs_waiting_run): no key given to enqueue() can stand in for it.
+        INSERT INTO outbox.jobs AS j (queue, payload, key, schedule, max_attempts)
+        SELECT f.queue, f.payload, f.name || '@' || f.scheduled_for, f.name, 10
+          FROM fired f
+         WHERE f.allowed AND f.queue IS NOT NULL
+        ON CONFLICT (queue, schedule, key) WHERE schedule IS NOT NULL AND state = 'waiting' DO NOTHING
+        RETURNING j.id
     )
-    -- count(x) evaluates x for every row: each run writes once. raise() and _enqueue() never
-    -- return NULL here (a key is one run, so _enqueue never meets another run's job).
-    SELECT count(CASE WHEN NOT f.allowed THEN NULL
-                      WHEN f.topic IS NOT NULL
+    -- count(x) evaluates x for every row: each run raises once (raise() never returns NULL).
+    SELECT count(CASE WHEN f.allowed AND f.topic IS NOT NULL
                       THEN outbox.raise(f.topic, f.payload, NULL, NULL,
                                         jsonb_build_object('schedule', f.name, 'scheduled_for', f.scheduled_for))::text
-                      ELSE outbox._enqueue(f.queue, f.payload, NULL, f.name || '@' || f.scheduled_for, 10, f.owner)::text
-                 END),
+                 END) + (SELECT count(*) FROM queued),
            array_agg(format('schedule "%s" skipped a run: its owner %s may no longer write to %s',
                             f.name, f.owner::regrole, coalesce('topic ' || f.topic, 'queue ' || f.queue)))
                FILTER (WHERE NOT f.allowed)
@@ -863,16 +885,22 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'revoke_queue_wrapper';
 
--- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install). Only the new
--- objects: a REVOKE on the others would record the grants users made on them as the
--- extension's own initial privileges, and pg_dump would then leave those grants out.
+-- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install), named one by one:
+-- a REVOKE on every function would record the grants users made on the others as the
+-- extension's own initial privileges (pg_dump would then leave them out), and default
+-- privileges may have given the new ones ACLs of their own.
 REVOKE ALL ON TABLE outbox.queues, outbox.queue_grants FROM PUBLIC;
 DO $$
 DECLARE
     f regprocedure;
 BEGIN
     FOR f IN SELECT p.oid FROM pg_catalog.pg_proc p
-              WHERE p.pronamespace = 'outbox'::pg_catalog.regnamespace AND p.proacl IS NULL LOOP
+              WHERE p.pronamespace = 'outbox'::pg_catalog.regnamespace
+                AND p.proname = ANY (ARRAY['_event_size', '_read_window', '_may', '_check_may',
+                    '_use_queue', '_create_queue', '_owned_queue', '_drop_queue', '_grant_queue',
+                    '_revoke_queue', 'queue_privileges', '_enqueue', '_claim', '_complete_many',
+                    '_check_job', '_fail', '_extend', '_replay_job', '_status', '_queue_status',
+                    'create_queue', 'drop_queue', 'grant_queue', 'revoke_queue']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END
@@ -885,7 +913,14 @@ DECLARE
     queues bigint;
     grants bigint;
 BEGIN
-    -- A subscription's queue: its owner's (the oldest subscription's, if several feed one queue).
+    -- A subscription with a handler owns the queue of its name (0.1.0 let other subscriptions
+    -- name it too: those become grantees below).
+    INSERT INTO outbox.queues (name, owner)
+    SELECT s.queue, c.owner
+      FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name
+     WHERE s.handler IS NOT NULL
+    ON CONFLICT DO NOTHING;
+    -- Another subscription's queue: its owner's (the oldest subscription's, if several feed one).
     INSERT INTO outbox.queues (name, owner)
     SELECT DISTINCT ON (s.queue) s.queue, c.owner
       FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name
@@ -930,3 +965,10 @@ BEGIN
     END IF;
 END
 $$;
+
+-- Every job, subscription and schedule names a queue that exists, for as long as it does.
+ALTER TABLE outbox.jobs ADD CONSTRAINT jobs_queue_fkey FOREIGN KEY (queue) REFERENCES outbox.queues (name);
+ALTER TABLE outbox.subscriptions
+    ADD CONSTRAINT subscriptions_queue_fkey FOREIGN KEY (queue) REFERENCES outbox.queues (name);
+ALTER TABLE outbox.schedules
+    ADD CONSTRAINT schedules_queue_fkey FOREIGN KEY (queue) REFERENCES outbox.queues (name);

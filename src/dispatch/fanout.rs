@@ -104,6 +104,17 @@ fn lease(client: &SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool) {
     }
     // The previous holders committed before they released their leases: see their cursors.
     refresh_snapshot();
+    // A subscription queues jobs as its owner: one whose owner may no longer do so on its queue
+    // (a grant or a role membership taken back since) is paused, saying why, not fanned out.
+    for r in Spi::get_one_with_args::<Vec<String>>(
+        "WITH denied AS (            UPDATE outbox.subscriptions s SET paused = true,                   last_predicate_error = pg_catalog.format(                       'paused: its owner %s may no longer queue jobs on queue \"%s\"; grant that back, then resume it',                       c.owner::pg_catalog.regrole, s.queue),                   last_predicate_error_at = pg_catalog.now()              FROM outbox.consumers c             WHERE c.name = s.name AND s.name = ANY ($1) AND NOT s.paused               AND NOT outbox._may(s.queue, c.owner, CASE WHEN s.handler IS NULL THEN 'enqueue' ELSE 'own' END)            RETURNING s.last_predicate_error)          SELECT pg_catalog.array_agg(d.last_predicate_error) FROM denied d",
+        &[DatumWithOid::from(leased.clone())],
+    )
+    .expect("checking the subscriptions' queues")
+    .unwrap_or_default()
+    {
+        pgrx::warning!("pg_outbox: a subscription was {r}");
+    }
     let mut subs = Vec::new();
     for r in client
         .select(

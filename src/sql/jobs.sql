@@ -3,9 +3,32 @@
 -- language, who claim them with outbox.claim() (FOR UPDATE SKIP LOCKED), then complete or fail
 -- them; jobs with a handler are run by the background worker. Finished jobs are deleted: the
 -- table stays small.
+-- Queues belong to roles. The role that creates a queue (outbox.create_queue, or the first
+-- enqueue() or subscribe() that names it) owns it; its members may do everything with its jobs,
+-- other roles what the owner grants them: enqueue (queue jobs) and work (claim, complete, fail,
+-- extend, replay). A subscription's queue is its owner's. The public functions are SECURITY
+-- INVOKER (src/queue.rs): they read the caller, then call the functions below as the owner of
+-- the log, passing the caller, and these check it. Nobody else can call them usefully: they are
+-- SECURITY INVOKER too, and only the log's owner may touch these tables.
+CREATE TABLE outbox.queues (
+    name       text        NOT NULL PRIMARY KEY,
+    owner      oid         NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+
+CREATE TABLE outbox.queue_grants (
+    queue   text    NOT NULL REFERENCES outbox.queues (name) ON DELETE CASCADE,
+    grantee oid     NOT NULL,
+    enqueue boolean NOT NULL,
+    work    boolean NOT NULL,
+    PRIMARY KEY (queue, grantee)
+);
+
 CREATE TABLE outbox.jobs (
     id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    queue        text        NOT NULL,
+    -- A job's queue exists while it does: drop_queue cannot pull a queue from under a job being
+    -- queued in a transaction still open (the key-share lock of this reference waits for it).
+    queue        text        NOT NULL REFERENCES outbox.queues (name),
     payload      jsonb       NOT NULL DEFAULT '{}' CHECK (pg_catalog.jsonb_typeof(payload) = 'object'),
     key          text,
     run_at       timestamptz NOT NULL DEFAULT pg_catalog.now(),
@@ -23,7 +46,9 @@ CREATE TABLE outbox.jobs (
     subscription text,
     -- Set for a subscription with a SQL handler: the worker runs the job, as the subscription's
     -- owner; outbox.claim() never hands it out.
-    handler      regprocedure
+    handler      regprocedure,
+    -- The schedule whose run queued the job (its key is <schedule>@<instant>). NULL otherwise.
+    schedule     text
 )
 -- A queue churns: every finished job is a dead row. Vacuum after a fixed number of them rather
 -- than a fraction of a table that is small by design, so the space is reused and it stays small.
@@ -33,11 +58,13 @@ WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 10000,
 CREATE INDEX jobs_claim ON outbox.jobs (queue, run_at, id) WHERE state <> 'dead';
 -- The worker's path: due jobs of a subscription with a handler, in run_at order.
 CREATE INDEX jobs_worker ON outbox.jobs (subscription, run_at, id) WHERE handler IS NOT NULL AND state = 'waiting';
--- Two namespaces, so that neither can hide a job of the other: a key given to enqueue() is queued
+-- Three namespaces, so that none can hide a job of another: a key given to enqueue() is queued
 -- once per queue while it waits; a subscription queues an event once per queue while its job
--- waits.
+-- waits; a schedule queues a run once while its job waits.
 CREATE UNIQUE INDEX jobs_waiting_key ON outbox.jobs (queue, key)
-    WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL;
+    WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL AND schedule IS NULL;
+CREATE UNIQUE INDEX jobs_waiting_run ON outbox.jobs (queue, schedule, key)
+    WHERE schedule IS NOT NULL AND state = 'waiting';
 CREATE UNIQUE INDEX jobs_waiting_event ON outbox.jobs (queue, subscription, event)
     WHERE subscription IS NOT NULL AND state = 'waiting';
 
@@ -59,27 +86,6 @@ BEGIN
     END IF;
 END
 $$;
-
--- Queues belong to roles. The role that creates a queue (outbox.create_queue, or the first
--- enqueue() or subscribe() that names it) owns it; its members may do everything with its jobs,
--- other roles what the owner grants them: enqueue (queue jobs) and work (claim, complete, fail,
--- extend, replay). A subscription's queue is its owner's. The public functions are SECURITY
--- INVOKER (src/queue.rs): they read the caller, then call the functions below as the owner of
--- the log, passing the caller, and these check it. Nobody else can call them usefully: they are
--- SECURITY INVOKER too, and only the log's owner may touch these tables.
-CREATE TABLE outbox.queues (
-    name       text        NOT NULL PRIMARY KEY,
-    owner      oid         NOT NULL,
-    created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
-);
-
-CREATE TABLE outbox.queue_grants (
-    queue   text    NOT NULL REFERENCES outbox.queues (name) ON DELETE CASCADE,
-    grantee oid     NOT NULL,
-    enqueue boolean NOT NULL,
-    work    boolean NOT NULL,
-    PRIMARY KEY (queue, grantee)
-);
 
 -- Whether role `who` may `privilege` ('enqueue' or 'work') on `queue`: a member of its owner
 -- (superusers are members of every role), or of a role granted that privilege. 'own': a member
@@ -105,7 +111,8 @@ BEGIN
             DETAIL = format('role %s may not %s on it', who::regrole,
                             CASE privilege WHEN 'enqueue' THEN 'enqueue jobs' WHEN 'own' THEN 'act as its owner'
                                            ELSE 'work (claim, complete, fail, extend or replay jobs)' END),
-            HINT = 'the queue''s owner grants it with outbox.grant_queue()';
+            HINT = CASE privilege WHEN 'own' THEN 'a subscription with a handler queues its jobs on a queue of its own name, which its role must own: choose another name'
+                   ELSE 'the queue''s owner grants it with outbox.grant_queue()' END;
     END IF;
 END
 $$;
@@ -285,12 +292,14 @@ BEGIN
     END IF;
     INSERT INTO outbox.jobs AS j (queue, payload, key, run_at, max_attempts)
     VALUES (queue, coalesce(payload, '{}'), key, coalesce(run_at, now()), max_attempts)
-    ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL DO NOTHING
+    ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL AND schedule IS NULL
+    DO NOTHING
     RETURNING j.id INTO job;
     IF job IS NULL THEN
         -- The key is already waiting: that job stands for this one.
         SELECT j.id INTO job FROM outbox.jobs j
-         WHERE j.queue = _enqueue.queue AND j.key = _enqueue.key AND j.state = 'waiting' AND j.subscription IS NULL;
+         WHERE j.queue = _enqueue.queue AND j.key = _enqueue.key AND j.state = 'waiting'
+           AND j.subscription IS NULL AND j.schedule IS NULL;
     END IF;
     RETURN job;
 END
@@ -401,6 +410,13 @@ BEGIN
            pg_catalog.min(p.queue) FILTER (WHERE NOT outbox._may(p.queue, who, 'work'))
       INTO n, denied
       FROM per_queue p;
+    -- Not all completed: those left must not be another role's (a refusal whatever their state,
+    -- so that the answer tells nothing about another role's jobs).
+    IF denied IS NULL AND n OPERATOR(pg_catalog.<) pg_catalog.cardinality(jobs) THEN
+        SELECT pg_catalog.min(q.queue) INTO denied
+          FROM (SELECT DISTINCT j.queue FROM outbox.jobs j WHERE j.id OPERATOR(pg_catalog.=) ANY (jobs)) q
+         WHERE NOT outbox._may(q.queue, who, 'work');
+    END IF;
     IF denied IS NOT NULL THEN
         PERFORM outbox._check_may(denied, who, 'work');
     END IF;

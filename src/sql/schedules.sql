@@ -30,7 +30,7 @@ CREATE TABLE outbox.schedules (
     weekly_on  smallint,
     -- What a run writes: an event with this topic, or a job in this queue.
     topic      text,
-    queue      text,
+    queue      text        REFERENCES outbox.queues (name),
     payload    jsonb       NOT NULL DEFAULT '{}',
     -- The role that created the schedule; only its members (or a superuser) may drop it.
     owner      oid         NOT NULL,
@@ -365,15 +365,21 @@ BEGIN
                        ELSE has_function_privilege(s.owner, 'outbox.enqueue(text, jsonb, timestamptz, text, integer)', 'EXECUTE')
                             AND outbox._may(s.queue, s.owner, 'enqueue')
                   END AS allowed
+    ), queued AS (
+        -- A run's job, keyed <schedule>@<instant> in the schedule's own namespace (index
+        -- jobs_waiting_run): no key given to enqueue() can stand in for it.
+        INSERT INTO outbox.jobs AS j (queue, payload, key, schedule, max_attempts)
+        SELECT f.queue, f.payload, f.name || '@' || f.scheduled_for, f.name, 10
+          FROM fired f
+         WHERE f.allowed AND f.queue IS NOT NULL
+        ON CONFLICT (queue, schedule, key) WHERE schedule IS NOT NULL AND state = 'waiting' DO NOTHING
+        RETURNING j.id
     )
-    -- count(x) evaluates x for every row: each run writes once. raise() and _enqueue() never
-    -- return NULL here (a key is one run, so _enqueue never meets another run's job).
-    SELECT count(CASE WHEN NOT f.allowed THEN NULL
-                      WHEN f.topic IS NOT NULL
+    -- count(x) evaluates x for every row: each run raises once (raise() never returns NULL).
+    SELECT count(CASE WHEN f.allowed AND f.topic IS NOT NULL
                       THEN outbox.raise(f.topic, f.payload, NULL, NULL,
                                         jsonb_build_object('schedule', f.name, 'scheduled_for', f.scheduled_for))::text
-                      ELSE outbox._enqueue(f.queue, f.payload, NULL, f.name || '@' || f.scheduled_for, 10, f.owner)::text
-                 END),
+                 END) + (SELECT count(*) FROM queued),
            array_agg(format('schedule "%s" skipped a run: its owner %s may no longer write to %s',
                             f.name, f.owner::regrole, coalesce('topic ' || f.topic, 'queue ' || f.queue)))
                FILTER (WHERE NOT f.allowed)

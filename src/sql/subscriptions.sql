@@ -12,7 +12,7 @@ CREATE TABLE outbox.subscriptions (
     -- subscription's owner (its jobs queue under the subscription's name), or a queue that
     -- external workers claim from.
     handler                regprocedure,
-    queue                  text        NOT NULL,
+    queue                  text        NOT NULL REFERENCES outbox.queues (name),
     max_attempts           integer     NOT NULL CHECK (max_attempts BETWEEN 1 AND 1000),
     paused                 boolean     NOT NULL DEFAULT false,
     matched                bigint      NOT NULL DEFAULT 0,

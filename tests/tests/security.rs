@@ -1343,6 +1343,14 @@ fn a_job_queue_belongs_to_its_owner_and_whom_it_grants() {
     owner
         .execute("SELECT outbox.fail($1, 'bad address', false)", &[&c])
         .unwrap();
+    // Not running: still another role's, and refused as such (not "false").
+    refused(
+        &mut other,
+        &[
+            &format!("SELECT outbox.complete({c})"),
+            &format!("SELECT outbox.complete_many(ARRAY[{c}])"),
+        ],
+    );
     assert_eq!(
         sqlstate(&mut loyalty, &format!("SELECT outbox.replay_job({c})")),
         "42501"
@@ -1943,4 +1951,143 @@ fn a_schedule_whose_owner_lost_its_rights_skips_its_runs() {
     .unwrap();
     fire_now(&mut su, 6);
     assert_eq!(written(&mut su), (2, 2));
+}
+
+#[test]
+fn a_queue_cannot_be_dropped_from_under_a_job_being_queued() {
+    let db = worker_db("sec_queue_drop_race");
+    let mut owner = tenant(&db, "mailer_a", &[JOB_GRANTS]);
+    let mut other = tenant(&db, "mailer_b", &[JOB_GRANTS]);
+    owner
+        .batch_execute("SELECT outbox.create_queue('orders')")
+        .unwrap();
+    // A job queued in a transaction still open, while the owner drops the queue.
+    let mut queuing = db.connect_as("mailer_a");
+    queuing
+        .batch_execute("BEGIN; SELECT outbox.enqueue('orders', '{\"card\": \"4111-secret\"}');")
+        .unwrap();
+    let dropping = std::thread::spawn(move || {
+        let result = owner.batch_execute("SELECT outbox.drop_queue('orders')");
+        (
+            owner,
+            result.map_err(|e| e.code().map(|c| c.code().to_string())),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !dropping.is_finished(),
+        "the drop waits for the transaction queuing a job"
+    );
+    queuing.batch_execute("COMMIT").unwrap();
+    let (mut owner, dropped) = dropping.join().unwrap();
+    assert_eq!(
+        dropped,
+        Err(Some("2BP01".to_string())),
+        "the queue holds a job now"
+    );
+    // It is still the owner's: another role can neither re-create it nor take the job.
+    assert_eq!(
+        sqlstate(&mut other, "SELECT outbox.create_queue('orders')"),
+        "42710"
+    );
+    refused(&mut other, &["SELECT * FROM outbox.claim('orders')"]);
+    assert_eq!(claimed(&mut owner, "orders").len(), 1);
+}
+
+#[test]
+fn a_subscription_whose_owner_lost_the_right_to_feed_its_queue_is_paused() {
+    let db = worker_db("sec_queue_membership");
+    let mut su = db.connect();
+    let mut owner = tenant(&db, "mailer_a", &[JOB_GRANTS]);
+    let mut mallory = tenant(&db, "mallory", &[SUBSCRIBER_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    su.batch_execute(
+        "DO $$ BEGIN CREATE ROLE invoicing NOLOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+         GRANT invoicing TO mallory;",
+    )
+    .unwrap();
+    owner
+        .batch_execute(
+            "SELECT outbox.create_queue('invoices');
+             SELECT outbox.grant_queue('invoices', 'invoicing', work => false);",
+        )
+        .unwrap();
+    mallory
+        .batch_execute("SELECT outbox.subscribe('mal_sub', ARRAY['inv.*'], queue => 'invoices')")
+        .unwrap();
+    // The right came through a role membership, which PostgreSQL takes back without asking.
+    su.batch_execute("REVOKE invoicing FROM mallory").unwrap();
+    app.batch_execute("SELECT outbox.raise('inv.issued', '{\"forged\": true}')")
+        .unwrap();
+    let (state, error): (String, String) = eventually(
+        "the subscription to be paused",
+        Duration::from_secs(20),
+        || {
+            let r = su
+                .query_one(
+                    "SELECT state, coalesce(last_error, '') FROM outbox.status() WHERE name = 'mal_sub'",
+                    &[],
+                )
+                .unwrap();
+            let state: String = r.get(0);
+            (state == "paused").then(|| (state, r.get(1)))
+        },
+    );
+    assert_eq!(state, "paused");
+    assert!(error.contains("may no longer queue jobs"), "{error}");
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'invoices'"
+        ),
+        0,
+        "nothing queued as a role that may not"
+    );
+}
+
+#[test]
+fn a_key_given_to_enqueue_cannot_stand_in_for_a_schedules_run() {
+    let db = worker_db("sec_schedule_keys");
+    let mut su = db.connect();
+    let mut reports = tenant(
+        &db,
+        "reports",
+        &[
+            JOB_GRANTS,
+            "GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb),
+                 outbox.unschedule(text) TO {r};",
+        ],
+    );
+    let mut mallory = tenant(&db, "mallory", &[JOB_GRANTS]);
+    reports
+        .batch_execute(
+            "SELECT outbox.schedule('payroll', every => '1 hour', queue => 'payq', payload => '{\"run\": \"real\"}');
+             SELECT outbox.grant_queue('payq', 'mallory', work => false);",
+        )
+        .unwrap();
+    // The next run's key is predictable: a role that may enqueue on the queue queues it first.
+    su.batch_execute("UPDATE outbox.schedules SET next_run = '2026-01-01 00:00:00+00'")
+        .unwrap();
+    mallory
+        .batch_execute(
+            "SELECT outbox.enqueue('payq', '{\"run\": \"forged\"}', run_at => now() + interval '1 hour',
+                                   key => 'payroll@2026-01-01T00:00:00.000000Z')",
+        )
+        .unwrap();
+    su.batch_execute("SELECT outbox.wake()").unwrap();
+    eventually("the run to be queued", Duration::from_secs(20), || {
+        (count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'payq' AND payload->>'run' = 'real'",
+        ) == 1)
+            .then_some(())
+    });
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'payq'"
+        ),
+        2,
+        "the run's job and mallory's, each in its own namespace"
+    );
 }

@@ -197,10 +197,15 @@ fn schema(cluster: &Cluster, db: &str) -> String {
         .join("\n")
 }
 
+/// Default privileges that give every function made from now on an ACL (EXECUTE for up_mailer).
+const DEFAULT_PRIVILEGES: &str =
+    "ALTER DEFAULT PRIVILEGES FOR ROLE postgres GRANT EXECUTE ON FUNCTIONS TO up_mailer;";
+
 /// Grants of the README's kind, the same in every database of the test.
 const GRANTS: &str = "
     GRANT USAGE ON SCHEMA outbox TO up_app, up_mailer;
-    GRANT EXECUTE ON FUNCTION outbox.raise(text, jsonb, text, text, jsonb) TO up_app;
+    GRANT EXECUTE ON FUNCTION outbox.raise(text, jsonb, text, text, jsonb),
+        outbox.subscribe(text, text[], regprocedure, text, text, integer, text) TO up_app;
     GRANT EXECUTE ON FUNCTION outbox.enqueue(text, jsonb, timestamptz, text, integer),
         outbox.claim(text, integer, interval), outbox.complete(bigint),
         outbox.fail(bigint, text, boolean) TO up_mailer;";
@@ -259,7 +264,10 @@ fn upgrade(cluster: &Cluster, tree: &Tree) {
         admin.batch_execute(sql).unwrap();
     }
     let mut su = cluster.connect("shop", "postgres");
-    su.batch_execute("CREATE EXTENSION pg_outbox").unwrap();
+    // Default privileges give every new function an ACL of its own: the upgrade must still keep
+    // the new ones from PUBLIC, as a fresh install does.
+    su.batch_execute(&format!("{DEFAULT_PRIVILEGES} CREATE EXTENSION pg_outbox"))
+        .unwrap();
     assert_eq!(
         su.query_one(
             "SELECT extversion FROM pg_extension WHERE extname = 'pg_outbox'",
@@ -278,6 +286,9 @@ fn upgrade(cluster: &Cluster, tree: &Tree) {
          SELECT outbox.create_sink('later', 'public.later(outbox.event[])');
          SELECT outbox.pause_sink('later');
          SELECT outbox.create_sink('picky', 'public.picky(outbox.event[])');
+         SET ROLE up_app;
+         SELECT outbox.subscribe('early', ARRAY['none'], queue => 'sub');
+         RESET ROLE;
          SELECT outbox.subscribe('sub', handler => 'public.job(outbox.event)');
          SELECT outbox.subscribe('feed', queue => 'feed_q');
          SELECT outbox.create_consumer('puller');
@@ -468,6 +479,35 @@ fn upgrade(cluster: &Cluster, tree: &Tree) {
         ),
         1
     );
+    // A handler subscription owns the queue of its name, even when another role's subscription
+    // named it first; that role keeps feeding it.
+    let sub_queue: Vec<(String, Option<String>, Option<bool>)> = su
+        .query(
+            "SELECT owner::text, grantee::text, enqueue FROM outbox.queue_privileges() \
+              WHERE queue = 'sub' ORDER BY grantee::text",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        sub_queue,
+        [(
+            "postgres".to_string(),
+            Some("up_app".to_string()),
+            Some(true)
+        )]
+    );
+    // Nothing new is PUBLIC's.
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM pg_proc p, aclexplode(p.proacl) a \
+              WHERE p.pronamespace = 'outbox'::regnamespace AND a.grantee = 0"
+        ),
+        0
+    );
 
     // The upgraded schema is a fresh install's (with the same grants and objects of the
     // application's: a binary-upgrade dump, the one that lists an extension's objects, is of the
@@ -475,7 +515,7 @@ fn upgrade(cluster: &Cluster, tree: &Tree) {
     let mut fresh = cluster.connect("fresh", "postgres");
     fresh
         .batch_execute(&format!(
-            "CREATE EXTENSION pg_outbox; {GRANTS} {USER_OBJECTS}"
+            "{DEFAULT_PRIVILEGES} CREATE EXTENSION pg_outbox; {GRANTS} {USER_OBJECTS}"
         ))
         .unwrap();
     let (upgraded, installed) = (schema(cluster, "shop"), schema(cluster, "fresh"));

@@ -126,6 +126,40 @@ fn plant_operator_trap(c: &mut Client, role: &str) {
 }
 
 /// Raises `n` events as `app`, one transaction each.
+/// A SQL sink of shipping's, on topic `s`, that records when each event reached it: for the
+/// tests that check that something slow elsewhere does not hold it up.
+fn timed_sql_sink(shipping: &mut Client) {
+    shipping
+        .batch_execute(
+            "CREATE TABLE shipping.got (at timestamptz DEFAULT clock_timestamp(), raised timestamptz);
+             CREATE FUNCTION shipping.h(e outbox.event[]) RETURNS void LANGUAGE sql AS
+               $$ INSERT INTO shipping.got (raised) SELECT x.raised_at FROM unnest(e) x $$;
+             SELECT outbox.create_sink('sql', 'shipping.h(outbox.event[])', topics => ARRAY['s']);",
+        )
+        .unwrap();
+}
+
+/// Raises five events for `timed_sql_sink` 200 ms apart, waits for them (8 s at most), and
+/// returns the longest any of them waited, in seconds.
+fn worst_wait_of_five(app: &mut Client, su: &mut Client) -> f64 {
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..5 {
+        app.batch_execute("SELECT outbox.raise('s')").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eventually(
+        "the SQL sink to deliver meanwhile",
+        Duration::from_secs(8),
+        || (count(su, "SELECT count(*) FROM shipping.got") == 5).then_some(()),
+    );
+    su.query_one(
+        "SELECT max(extract(epoch FROM at - raised))::float8 FROM shipping.got",
+        &[],
+    )
+    .unwrap()
+    .get(0)
+}
+
 fn raise(app: &mut Client, topic: &str, n: usize) {
     for _ in 0..n {
         app.execute("SELECT outbox.raise($1)", &[&topic]).unwrap();
@@ -1045,36 +1079,13 @@ fn endpoints_that_never_answer_do_not_hold_the_workers() {
         )
         .unwrap();
     }
-    shipping
-        .batch_execute(
-            "CREATE TABLE shipping.got (at timestamptz DEFAULT clock_timestamp(), raised timestamptz);
-             CREATE FUNCTION shipping.h(e outbox.event[]) RETURNS void LANGUAGE sql AS
-               $$ INSERT INTO shipping.got (raised) SELECT x.raised_at FROM unnest(e) x $$;
-             SELECT outbox.create_sink('sql', 'shipping.h(outbox.event[])', topics => ARRAY['s']);",
-        )
-        .unwrap();
+    timed_sql_sink(&mut shipping);
     app.batch_execute("SELECT outbox.raise('h')").unwrap();
     // Both workers have a request to the silent endpoint on its way.
     eventually("two requests in flight", Duration::from_secs(10), || {
         (silent.received().len() >= 2).then_some(())
     });
-    std::thread::sleep(Duration::from_millis(300));
-    for _ in 0..5 {
-        app.batch_execute("SELECT outbox.raise('s')").unwrap();
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    eventually(
-        "the SQL sink to deliver while the requests fly",
-        Duration::from_secs(10),
-        || (count(&mut su, "SELECT count(*) FROM shipping.got") == 5).then_some(()),
-    );
-    let worst: f64 = su
-        .query_one(
-            "SELECT max(extract(epoch FROM at - raised))::float8 FROM shipping.got",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let worst = worst_wait_of_five(&mut app, &mut su);
     assert!(
         worst < 2.0,
         "an event waited {worst} s behind a silent endpoint"
@@ -1653,14 +1664,7 @@ fn a_neighbour_test_against_a_silent_endpoint_does_not_hold_the_workers() {
         )
         .unwrap();
     }
-    shipping
-        .batch_execute(
-            "CREATE TABLE shipping.got (at timestamptz DEFAULT clock_timestamp(), raised timestamptz);
-             CREATE FUNCTION shipping.h(e outbox.event[]) RETURNS void LANGUAGE sql AS
-               $$ INSERT INTO shipping.got (raised) SELECT x.raised_at FROM unnest(e) x $$;
-             SELECT outbox.create_sink('sql', 'shipping.h(outbox.event[])', topics => ARRAY['s']);",
-        )
-        .unwrap();
+    timed_sql_sink(&mut shipping);
     app.batch_execute(
         "SELECT outbox.raise('h', '{\"poison\": true}'); SELECT outbox.raise('h', '{\"fine\": true}');",
     )
@@ -1678,23 +1682,7 @@ fn a_neighbour_test_against_a_silent_endpoint_does_not_hold_the_workers() {
         Duration::from_secs(20),
         || (neighbour_tests() >= 2).then_some(()),
     );
-    std::thread::sleep(Duration::from_millis(300));
-    for _ in 0..5 {
-        app.batch_execute("SELECT outbox.raise('s')").unwrap();
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    eventually(
-        "the SQL sink to deliver while the neighbour tests fly",
-        Duration::from_secs(8),
-        || (count(&mut su, "SELECT count(*) FROM shipping.got") == 5).then_some(()),
-    );
-    let worst: f64 = su
-        .query_one(
-            "SELECT max(extract(epoch FROM at - raised))::float8 FROM shipping.got",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let worst = worst_wait_of_five(&mut app, &mut su);
     assert!(
         worst < 2.0,
         "an event waited {worst} s behind a neighbour test"

@@ -195,8 +195,10 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox._grant_queue(queue text, grantee oid, enqueue boolean, work boolean, who oid) RETURNS void
-LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+-- The arguments of a grant or revoke, and that `who` acts for the queue's owner.
+CREATE FUNCTION outbox._check_grant(queue text, grantee oid, enqueue boolean, work boolean, who oid,
+                                    action text) RETURNS void
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF grantee IS NULL THEN
         RAISE EXCEPTION 'role must not be NULL' USING ERRCODE = 'null_value_not_allowed';
@@ -205,7 +207,14 @@ BEGIN
         RAISE EXCEPTION '% must not be NULL', CASE WHEN enqueue IS NULL THEN 'enqueue' ELSE 'work' END
             USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    PERFORM outbox._owned_queue(queue, who, 'grant on it');
+    PERFORM outbox._owned_queue(queue, who, action);
+END
+$$;
+
+CREATE FUNCTION outbox._grant_queue(queue text, grantee oid, enqueue boolean, work boolean, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM outbox._check_grant(queue, grantee, enqueue, work, who, 'grant on it');
     IF NOT (enqueue OR work) THEN
         RETURN;
     END IF;
@@ -223,14 +232,7 @@ LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     feeders text;
 BEGIN
-    IF grantee IS NULL THEN
-        RAISE EXCEPTION 'role must not be NULL' USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    IF enqueue IS NULL OR work IS NULL THEN
-        RAISE EXCEPTION '% must not be NULL', CASE WHEN enqueue IS NULL THEN 'enqueue' ELSE 'work' END
-            USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    PERFORM outbox._owned_queue(queue, who, 'revoke on it');
+    PERFORM outbox._check_grant(queue, grantee, enqueue, work, who, 'revoke on it');
     UPDATE outbox.queue_grants g
        SET enqueue = g.enqueue AND NOT _revoke_queue.enqueue, work = g.work AND NOT _revoke_queue.work
      WHERE g.queue = _revoke_queue.queue AND g.grantee = _revoke_queue.grantee;

@@ -1961,11 +1961,20 @@ fn a_queue_cannot_be_dropped_from_under_a_job_being_queued() {
             result.map_err(|e| e.code().map(|c| c.code().to_string())),
         )
     });
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(
-        !dropping.is_finished(),
-        "the drop waits for the transaction queuing a job"
+    let mut su = db.connect();
+    eventually(
+        "the drop to wait for the transaction queuing a job",
+        Duration::from_secs(10),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM pg_stat_activity \
+                  WHERE wait_event_type = 'Lock' AND query LIKE '%drop_queue%'",
+            ) == 1)
+                .then_some(())
+        },
     );
+    assert!(!dropping.is_finished());
     queuing.batch_execute("COMMIT").unwrap();
     let (mut owner, dropped) = dropping.join().unwrap();
     assert_eq!(

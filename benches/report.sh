@@ -37,7 +37,7 @@ export BENCH_INSTALLED=1
   echo "kernel:      $(uname -sr)"
   echo "CPU:         $(nproc) x $(awk -F': ' '/model name/ { print $2; exit }' /proc/cpuinfo)"
   echo "memory:      $(awk '/MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
-  echo "settings:    fsync on, shared_buffers 1GB, max_wal_size 4GB, pg_outbox.workers 2, each benchmark on its own throwaway cluster"
+  echo "settings:    fsync on, shared_buffers 1GB, max_wal_size 4GB, pg_outbox.min_workers 2, each benchmark on its own throwaway cluster"
   echo "sizes:       BENCH_SECONDS=${BENCH_SECONDS:-default} BENCH_EVENTS=${BENCH_EVENTS:-default} BENCH_JOBS=${BENCH_JOBS:-default}"
 } >"$OUT/machine.txt"
 

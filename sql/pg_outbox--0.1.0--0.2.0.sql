@@ -684,6 +684,7 @@ RETURNS TABLE (
     events_behind   bigint,         -- readable events after the cursor that it will receive (its topics)
     age_behind      interval,       -- age of the oldest event of its topics it has not passed, readable or not
     state           text,           -- idle | behind | delivering | backing off | down | paused | held by horizon
+                                    -- (status() adds: waiting for a worker)
     next_attempt_at timestamptz,
     attempts        integer,
     batch_size      integer,
@@ -887,6 +888,11 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'revoke_queue_wrapper';
 
+CREATE FUNCTION outbox."_start_delivery"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'start_delivery_wrapper';
+
 -- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install), named one by one:
 -- a REVOKE on every function would record the grants users made on the others as the
 -- extension's own initial privileges (pg_dump would then leave them out), and default
@@ -902,7 +908,8 @@ BEGIN
                     '_use_queue', '_create_queue', '_owned_queue', '_drop_queue', '_check_grant', '_grant_queue',
                     '_revoke_queue', 'queue_privileges', '_enqueue', '_claim', '_complete_many',
                     '_check_job', '_fail', '_extend', '_replay_job', '_status', '_queue_status',
-                    'create_queue', 'drop_queue', 'grant_queue', 'revoke_queue']) LOOP
+                    'create_queue', 'drop_queue', 'grant_queue', 'revoke_queue',
+                    '_start_delivery']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

@@ -63,7 +63,7 @@ pub extern "C-unwind" fn _PG_init() {
     // workers; CREATE EXTENSION and plain LOAD get the SQL functions, and the ones that need the
     // workers refuse with a hint (worker::preloaded()).
     let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
-    settings::init(preloading);
+    settings::init();
     secrets::init();
     if preloading {
         worker::register();
@@ -79,7 +79,7 @@ pub mod pg_test {
     pub fn postgresql_conf_options() -> Vec<&'static str> {
         vec![
             "shared_preload_libraries = 'pg_outbox'",
-            "pg_outbox.database = 'pgrx_tests'",
+            "pg_outbox.databases = 'pgrx_tests'",
         ]
     }
 }

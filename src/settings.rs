@@ -6,15 +6,22 @@ use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 use std::ffi::CString;
 use std::time::Duration;
 
-/// Where the worker runs. One database per cluster: sharded deployments run one per shard.
-/// SIGHUP: on a change the workers exit and come back connected to the new database.
-pub static DATABASE: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(c"postgres"));
+/// Which databases get delivery: comma-separated names; empty (the default): every database where
+/// pg_outbox is installed. The launcher starts workers only in these; a worker whose database
+/// leaves the list exits at the next reload.
+pub static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c""));
 
-/// Worker processes for that database. Each sink is delivered by one worker at a time (a row
-/// lock is the lease), so with two workers one slow sink never stalls the others.
-pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(2);
-pub const MAX_WORKERS: i32 = 8;
+/// Workers each database with pg_outbox keeps, however idle. One serves every sink of a database
+/// whose handlers are quick; more start while handlers are slow (see `MAX_WORKERS`).
+pub static MIN_WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
+
+/// Workers of the whole cluster at most (the launcher not counted). While every worker of a
+/// database is inside a handler, the launcher starts another for it, up to this; an extra
+/// worker that finds nothing to do for a while exits. The default leaves room within PostgreSQL's
+/// default `max_worker_processes` (8) for the launcher, logical replication and parallel query.
+pub static MAX_WORKERS: GucSetting<i32> = GucSetting::<i32>::new(4);
+/// The shared-memory slots of workers: the highest `pg_outbox.max_workers`.
+pub const WORKER_SLOTS: usize = 64;
 
 /// The fallback poll: a commit wakes the worker at once through its latch, so this only matters
 /// for work that no commit announces (back-off expiry, events another server raised via replica).
@@ -81,30 +88,37 @@ pub static MAX_EVENT_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024)
 /// Off: workers stay connected but deliver nothing (maintenance windows).
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 
-/// Defines the settings. `preloading`: whether shared_preload_libraries is being processed; a
-/// postmaster-context setting may only be defined then (defining it in a backend that loads the
-/// library for CREATE EXTENSION is a FATAL error), and without the workers it means nothing.
-pub fn init(preloading: bool) {
+/// Defines the settings (in every process that loads the library: all of them may be set with
+/// or without the workers).
+pub fn init() {
     GucRegistry::define_string_guc(
-        c"pg_outbox.database",
-        c"Database the pg_outbox workers deliver in.",
-        c"The workers connect to this database; changing it makes them reconnect.",
-        &DATABASE,
+        c"pg_outbox.databases",
+        c"Databases where the pg_outbox workers deliver (comma-separated; empty: every database with pg_outbox).",
+        c"A database leaves or joins delivery at the next reload.",
+        &DATABASES,
         GucContext::Sighup,
         GucFlags::default(),
     );
-    if preloading {
-        GucRegistry::define_int_guc(
-            c"pg_outbox.workers",
-            c"Number of pg_outbox worker processes.",
-            c"They share the sinks: each sink is delivered by one worker at a time.",
-            &WORKERS,
-            0,
-            MAX_WORKERS,
-            GucContext::Postmaster,
-            GucFlags::default(),
-        );
-    }
+    GucRegistry::define_int_guc(
+        c"pg_outbox.min_workers",
+        c"Workers each database with pg_outbox keeps running.",
+        c"",
+        &MIN_WORKERS,
+        1,
+        16,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.max_workers",
+        c"Workers of the whole cluster at most (the launcher not counted).",
+        c"Extra workers start while every worker of a database is busy in a handler.",
+        &MAX_WORKERS,
+        1,
+        WORKER_SLOTS as i32,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
     GucRegistry::define_int_guc(
         c"pg_outbox.poll_interval",
         c"How long an idle worker sleeps when no commit wakes it.",
@@ -269,11 +283,13 @@ pub fn init(preloading: bool) {
     );
 }
 
-pub fn database() -> String {
-    DATABASE
+/// Whether the workers deliver in database `name` (see `DATABASES`).
+pub fn serves(name: &str) -> bool {
+    let list = DATABASES
         .get()
         .map(|c| c.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "postgres".into())
+        .unwrap_or_default();
+    list.trim().is_empty() || list.split(',').any(|d| d.trim() == name)
 }
 
 pub fn ms(setting: &GucSetting<i32>) -> Duration {

@@ -91,6 +91,21 @@ fn status() -> TableIterator<
             r.get(15)?,
         ))
     });
+    // Every worker of this database is inside a handler and no other may start: what is behind
+    // and not in one of those handlers waits for a worker, not for its own handler.
+    let rows = match crate::worker::saturated() {
+        None => rows,
+        Some(running) => rows
+            .into_iter()
+            .map(|mut row| {
+                let behind = matches!(row.5.as_deref(), Some("delivering" | "behind"));
+                if behind && !row.0.as_ref().is_some_and(|n| running.contains(n)) {
+                    row.5 = Some("waiting for a worker".into());
+                }
+                row
+            })
+            .collect(),
+    };
     TableIterator::new(rows)
 }
 

@@ -112,7 +112,9 @@ pub fn with_bench_cluster(
         "shared_buffers = '1GB'",
         "max_wal_size = '4GB'",
         "checkpoint_timeout = '30min'",
-        "pg_outbox.database = 'bench'",
+        "pg_outbox.databases = 'bench'",
+        // Two workers, as every report before elastic workers measured.
+        "pg_outbox.min_workers = 2",
     ];
     all.extend_from_slice(settings);
     let cluster = Cluster::start_with(name, &all);

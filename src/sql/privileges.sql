@@ -5,3 +5,7 @@ REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
 REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON SCHEMA outbox FROM PUBLIC;
+
+-- Delivery starts in this database as soon as the transaction that installs pg_outbox commits:
+-- the launcher is told (src/worker/launcher.rs).
+SELECT outbox._start_delivery();

@@ -10,6 +10,7 @@ RETURNS TABLE (
     events_behind   bigint,         -- readable events after the cursor that it will receive (its topics)
     age_behind      interval,       -- age of the oldest event of its topics it has not passed, readable or not
     state           text,           -- idle | behind | delivering | backing off | down | paused | held by horizon
+                                    -- (status() adds: waiting for a worker)
     next_attempt_at timestamptz,
     attempts        integer,
     batch_size      integer,

@@ -1,9 +1,13 @@
-//! The background workers: registration, shared memory, waking at commit, and their status.
+//! The background workers: the launcher, shared memory, waking at commit, and their status.
 //!
-//! Registered from `_PG_init` only when pg_outbox is in `shared_preload_libraries`. Each worker
-//! keeps a slot in shared memory with its PGPROC (so a committing backend can set its latch) and
-//! counters that `outbox.workers()` reads.
+//! Registered from `_PG_init` only when pg_outbox is in `shared_preload_libraries`: one launcher
+//! (`launcher.rs`) that starts the workers of every database where pg_outbox is installed as
+//! dynamic background workers. Each worker keeps a slot in shared memory with its database, its
+//! PGPROC (so a committing backend can set its latch), what handler it runs (so the launcher can
+//! start another while all of a database's workers are busy) and counters that
+//! `outbox.workers()` reads.
 
+mod launcher;
 mod run;
 
 use crate::settings;
@@ -68,14 +72,46 @@ pub(crate) enum Hung {
     Jobs { subscription: String, ids: Vec<i64> },
 }
 
+/// A slot's life: the launcher takes a free slot for a database (Starting), the worker it starts
+/// connects (Running), and on exit marks it Exited with an outcome; the launcher reaps it (Free,
+/// or Starting again to finish the work of a worker that hung in a handler).
+pub(crate) const FREE: u8 = 0;
+pub(crate) const STARTING: u8 = 1;
+pub(crate) const RUNNING: u8 = 2;
+pub(crate) const EXITED: u8 = 3;
+
+/// Why a worker exited (kept in its slot for the launcher).
+pub(crate) const OUTCOME_NONE: u8 = 0;
+/// pg_outbox is not installed in its database (any more).
+pub(crate) const OUTCOME_ABSENT: u8 = 1;
+/// An extra worker that had nothing to do.
+pub(crate) const OUTCOME_RETIRED: u8 = 2;
+/// Its database is not in `pg_outbox.databases` (any more).
+pub(crate) const OUTCOME_EXCLUDED: u8 = 3;
+
 #[derive(Copy, Clone)]
 pub struct Slot {
+    state: u8,
+    outcome: u8,
+    /// The worker found pg_outbox installed in its database (a worker starts as a probe).
+    installed: bool,
+    /// The worker connected (set once; a worker that exits without it never got in).
+    connected: bool,
+    /// Whether its database has any sink or subscription, as the worker last saw it. Commits wake
+    /// the workers only then: without them a round finds nothing, and a wake per commit would
+    /// spend the CPU the writers need.
+    has_sinks: bool,
     proc_ptr: usize,
     pid: i32,
-    /// The database the worker is connected to (an Oid), so DROP DATABASE can ask it to leave.
+    /// The database the worker delivers in (an Oid), set by the launcher.
     database: u32,
+    /// When the launcher asked for the worker.
+    requested_at: i64,
     /// In a round (not waiting on its latch): a commit wakes an idle worker instead.
     busy: bool,
+    /// A commit wanted it while it was in a round. The latch alone is not enough: a handler
+    /// that waits (pg_sleep, a lock) resets the latch, and the wake would be lost.
+    woken: bool,
     started_at: i64,
     last_pass_at: i64,
     passes: u64,
@@ -89,10 +125,17 @@ pub struct Slot {
 impl Default for Slot {
     fn default() -> Self {
         Slot {
+            state: FREE,
+            outcome: OUTCOME_NONE,
+            installed: false,
+            connected: false,
+            has_sinks: false,
             proc_ptr: 0,
             pid: 0,
             database: 0,
+            requested_at: 0,
             busy: false,
+            woken: false,
             started_at: 0,
             last_pass_at: 0,
             passes: 0,
@@ -104,6 +147,32 @@ impl Default for Slot {
         }
     }
 }
+
+impl Slot {
+    /// A worker process holds it (or is about to).
+    fn taken(&self) -> bool {
+        self.state != FREE
+    }
+
+    /// A live worker of `database` whose latch can be set.
+    fn serving(&self, database: u32) -> bool {
+        self.state == RUNNING && self.database == database && self.proc_ptr != 0
+    }
+
+    /// Inside a tenant's handler.
+    fn in_handler(&self) -> bool {
+        self.handler.kind != 0
+    }
+
+    /// The handler it was running outlived `sink_timeout`: the worker was ended inside it.
+    fn hung(&self) -> bool {
+        self.in_handler()
+            && (now() - self.handler.since) / 1000 >= settings::SINK_TIMEOUT_MS.get() as i64
+    }
+}
+
+/// Databases where CREATE EXTENSION committed, for the launcher to look at (0: none).
+const PROBE_REQUESTS: usize = 16;
 
 /// An HTTP sink's lease while its request flies (see `try_http_lease`).
 #[derive(Copy, Clone, Default)]
@@ -122,11 +191,13 @@ const SUSPECTS: usize = 1024;
 
 #[derive(Copy, Clone)]
 pub struct WorkerTable {
-    slots: [Slot; settings::MAX_WORKERS as usize],
-    /// Whether the workers' database has any sink, as the workers last saw it. Commits wake the
-    /// workers only then: without sinks a round finds nothing, and a wake per commit would spend
-    /// the CPU the writers need.
-    has_sinks: bool,
+    slots: [Slot; settings::WORKER_SLOTS],
+    /// The launcher's PGPROC (0: not running), so workers and backends can wake it.
+    launcher_proc: usize,
+    launcher_pid: i32,
+    probe_requests: [u32; PROBE_REQUESTS],
+    /// More databases asked than `probe_requests` holds: look at every database again.
+    probe_all: bool,
     http_leases: [HttpLease; HTTP_LEASES],
     /// (database, job id) of jobs whose batch ended its worker: they run one by one from then on.
     suspects: [(u32, i64); SUSPECTS],
@@ -136,8 +207,11 @@ pub struct WorkerTable {
 impl Default for WorkerTable {
     fn default() -> Self {
         WorkerTable {
-            slots: Default::default(),
-            has_sinks: false,
+            slots: [Slot::default(); settings::WORKER_SLOTS],
+            launcher_proc: 0,
+            launcher_pid: 0,
+            probe_requests: [0; PROBE_REQUESTS],
+            probe_all: false,
             http_leases: [HttpLease::default(); HTTP_LEASES],
             suspects: [(0, 0); SUSPECTS],
             suspects_next: 0,
@@ -256,26 +330,59 @@ pub fn register() {
     if unsafe { pg_sys::IsBinaryUpgrade } {
         return; // pg_upgrade starts the server only to move catalogs: deliver nothing
     }
-    for slot in 0..settings::WORKERS.get().clamp(0, settings::MAX_WORKERS) {
-        BackgroundWorkerBuilder::new(&format!("pg_outbox worker {slot}"))
-            .set_type("pg_outbox worker")
-            .set_library("pg_outbox")
-            .set_function("pg_outbox_worker_main")
-            .set_argument(Some(pg_sys::Datum::from(slot)))
-            .enable_spi_access()
-            .set_start_time(BgWorkerStartTime::RecoveryFinished)
-            // pgrx's default is never; a worker that exits (crash, SIGTERM, new database) comes back.
-            .set_restart_time(Some(Duration::from_secs(1)))
-            .load();
+    BackgroundWorkerBuilder::new("pg_outbox launcher")
+        .set_type("pg_outbox launcher")
+        .set_library("pg_outbox")
+        .set_function("pg_outbox_launcher_main")
+        .enable_spi_access()
+        .set_start_time(BgWorkerStartTime::RecoveryFinished)
+        // pgrx's default is never; a launcher that exits (crash, SIGTERM) comes back.
+        .set_restart_time(Some(Duration::from_secs(1)))
+        .load();
+}
+
+/// The current database (of a connected backend or worker).
+fn my_database() -> u32 {
+    // SAFETY: reads a backend global.
+    unsafe { pg_sys::MyDatabaseId.to_u32() }
+}
+
+/// Sets the launcher's latch, if it runs.
+fn wake_launcher(table: &WorkerTable) {
+    if table.launcher_proc != 0 {
+        // SAFETY: as set_latch: the PGPROC lives in shared memory for the life of the cluster.
+        unsafe {
+            pg_sys::SetLatch(&raw mut (*(table.launcher_proc as *mut pg_sys::PGPROC)).procLatch)
+        };
     }
+}
+
+/// Asks the launcher to look at this database once the transaction commits (CREATE EXTENSION's
+/// script calls it): delivery starts there within moments, with no setting to edit.
+#[pg_extern(volatile, parallel_unsafe, name = "_start_delivery")]
+fn start_delivery() {
+    if !preloaded() {
+        return;
+    }
+    let database = my_database();
+    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, move || {
+        let mut table = WORKERS.exclusive();
+        if !table.probe_requests.contains(&database) {
+            match table.probe_requests.iter_mut().find(|d| **d == 0) {
+                Some(free) => *free = database,
+                None => table.probe_all = true,
+            }
+        }
+        wake_launcher(&table);
+    });
 }
 
 static mut PREV_OBJECT_ACCESS_HOOK: pg_sys::object_access_hook_type = None;
 
 /// DROP DATABASE waits up to 5 s for other sessions to leave the database and then fails; it
 /// only asks autovacuum to go. Its drop hook runs before that wait, so here the backend dropping
-/// our workers' database asks them to leave: SIGINT cancels a handler in flight, SIGTERM ends the
-/// worker (it exits 1 and is started again, and waits for the drop to finish before it connects).
+/// our workers' database asks them to leave with SIGTERM (the launcher starts none there again
+/// once the database is gone).
 #[pg_guard]
 unsafe extern "C-unwind" fn on_object_access(
     access: pg_sys::ObjectAccessType::Type,
@@ -306,11 +413,9 @@ unsafe extern "C-unwind" fn on_object_access(
         .collect();
     for pid in pids {
         pgrx::log!("pg_outbox: asking worker (pid {pid}) to leave the database being dropped");
-        // SAFETY: signalling a server process of this cluster, as pg_terminate_backend does.
-        unsafe {
-            libc::kill(pid, libc::SIGINT);
-            libc::kill(pid, libc::SIGTERM);
-        }
+        // SAFETY: signalling a server process of this cluster, as pg_terminate_backend does. A
+        // worker inside a handler dies at the handler's next interrupt check (`on_sigterm`).
+        unsafe { libc::kill(pid, libc::SIGTERM) };
     }
 }
 
@@ -422,7 +527,19 @@ impl HandlerRunning {
                 h.name[..n].copy_from_slice(&name.as_bytes()[..n]);
                 h.name_len = n as u8;
                 s.handler = h;
-            })
+            });
+            // The last free worker of its database is now busy: the launcher times how long,
+            // to start another while the handlers keep them all.
+            let database = my_database();
+            let table = WORKERS.share();
+            if table
+                .slots
+                .iter()
+                .filter(|s| s.serving(database))
+                .all(|s| s.in_handler())
+            {
+                wake_launcher(&table);
+            }
         });
         IN_HANDLER.store(true, Ordering::SeqCst);
         if STOP.load(Ordering::SeqCst) {
@@ -504,19 +621,38 @@ fn set_latch(slot: &Slot) {
     unsafe { pg_sys::SetLatch(&raw mut (*(slot.proc_ptr as *mut pg_sys::PGPROC)).procLatch) };
 }
 
-/// Sets the latch of one idle worker (it serves every sink in its round), or of every worker
-/// when all are in a round (each looks again when it ends). Safe in a commit callback: no
-/// allocation, no ERROR.
+/// Sets the latch of one idle worker of this database (it serves every sink in its round), or of
+/// every one when all are in a round (each looks again when it ends). Safe in a commit callback:
+/// no allocation, no ERROR.
 pub fn wake_one() {
     if !preloaded() {
         return;
     }
-    let table = WORKERS.share();
-    let live = table.slots.iter().filter(|s| s.proc_ptr != 0);
-    match live.clone().find(|s| !s.busy) {
-        Some(idle) => set_latch(idle),
-        None => live.for_each(set_latch),
+    let database = my_database();
+    {
+        let table = WORKERS.share();
+        let mut live = table.slots.iter().filter(|s| s.serving(database));
+        if let Some(idle) = live.find(|s| !s.busy) {
+            set_latch(idle);
+            return;
+        }
     }
+    // Every worker is in a round: each looks again when its round ends.
+    let mut table = WORKERS.exclusive();
+    for s in table.slots.iter_mut().filter(|s| s.serving(database)) {
+        s.woken = true;
+        set_latch(s);
+    }
+}
+
+/// Whether this database's workers last saw a sink or subscription (see `Slot::has_sinks`).
+fn has_sinks() -> bool {
+    let database = my_database();
+    WORKERS
+        .share()
+        .slots
+        .iter()
+        .any(|s| s.serving(database) && s.has_sinks)
 }
 
 thread_local! {
@@ -526,7 +662,7 @@ thread_local! {
 /// Wakes a worker when the current transaction commits (once per transaction, however many
 /// events it raises), if there is a sink to deliver to. A rollback wakes nobody.
 pub fn wake_at_commit() {
-    if !preloaded() || WAKE_REGISTERED.with(|r| r.get()) || !WORKERS.share().has_sinks {
+    if !preloaded() || WAKE_REGISTERED.with(|r| r.get()) || !has_sinks() {
         return;
     }
     register_wake();
@@ -567,16 +703,41 @@ fn now() -> i64 {
     unsafe { pg_sys::GetCurrentTimestamp() }
 }
 
-/// Claims the slot for this process. Returns the handler call that ended the worker that had it
-/// before, if one was running for longer than `sink_timeout` when it ended.
-pub(crate) fn slot_started(slot: usize) -> Option<Hung> {
+/// The database the launcher meant slot `slot` for.
+pub(crate) fn slot_database(slot: usize) -> u32 {
+    WORKERS.share().slots.get(slot).map_or(0, |s| s.database)
+}
+
+/// Marks the slot's worker as exited (from its exit callback, so also after a FATAL error):
+/// the launcher reaps it.
+#[pg_guard]
+unsafe extern "C-unwind" fn on_worker_exit(_code: std::ffi::c_int, arg: pg_sys::Datum) {
+    let slot = arg.value();
+    let mut table = WORKERS.exclusive();
+    if let Some(s) = table.slots.get_mut(slot) {
+        s.state = EXITED;
+        s.proc_ptr = 0;
+        s.pid = 0;
+        s.busy = false;
+    }
+    wake_launcher(&table);
+}
+
+/// The first thing a worker does: its slot is marked exited however the process ends.
+pub(crate) fn slot_claimed(slot: usize) {
     MY_SLOT.store(slot, Ordering::Relaxed);
+    // SAFETY: registers a callback run at process exit, as extensions do from a worker's main.
+    unsafe { pg_sys::before_shmem_exit(Some(on_worker_exit), pg_sys::Datum::from(slot)) };
+}
+
+/// The worker has connected to its database. Returns the handler call that ended the worker that
+/// had this slot before, if one was running for longer than `sink_timeout` when it ended.
+pub(crate) fn slot_started(slot: usize) -> Option<Hung> {
     register_hard_timeout();
     let mut hung = None;
     with_slot(slot, |s| {
         let h = s.handler;
-        let ran_ms = (now() - h.since) / 1000;
-        if h.kind != 0 && ran_ms >= settings::SINK_TIMEOUT_MS.get() as i64 {
+        if s.hung() {
             let name = String::from_utf8_lossy(&h.name[..h.name_len as usize]).into_owned();
             hung = Some(match h.kind {
                 3 => Hung::Jobs {
@@ -589,31 +750,117 @@ pub(crate) fn slot_started(slot: usize) -> Option<Hung> {
                 },
             });
         }
-        *s = Slot::default();
+        *s = Slot {
+            state: RUNNING,
+            connected: true,
+            database: s.database,
+            requested_at: s.requested_at,
+            ..Slot::default()
+        };
         // SAFETY: MyProc and MyProcPid are set for a connected worker.
         unsafe {
             s.proc_ptr = pg_sys::MyProc as usize;
             s.pid = pg_sys::MyProcPid;
-            s.database = pg_sys::MyDatabaseId.to_u32();
         }
         s.started_at = now();
     });
     hung
 }
 
-pub(crate) fn slot_busy(slot: usize, busy: bool) {
-    with_slot(slot, |s| s.busy = busy)
-}
-
-pub(crate) fn set_has_sinks(has: bool) {
-    let mut table = WORKERS.exclusive();
-    table.has_sinks = has;
-}
-
-pub(crate) fn slot_stopped(slot: usize) {
+/// A round begins: commits from now on wake the worker when it ends (see `Slot::woken`).
+pub(crate) fn round_begins(slot: usize) {
     with_slot(slot, |s| {
-        s.proc_ptr = 0;
-        s.pid = 0;
+        s.busy = true;
+        s.woken = false;
+    })
+}
+
+/// A round ended. True when a commit wanted the worker meanwhile: go round again at once.
+pub(crate) fn round_ends(slot: usize) -> bool {
+    let mut woken = false;
+    with_slot(slot, |s| {
+        s.busy = false;
+        woken = std::mem::take(&mut s.woken);
+    });
+    woken
+}
+
+/// The worker found pg_outbox in its database: the launcher counts it as a delivering worker.
+pub(crate) fn slot_installed(slot: usize) {
+    with_slot(slot, |s| s.installed = true)
+}
+
+/// Why the worker is about to exit (see the OUTCOME_ constants).
+pub(crate) fn slot_outcome(slot: usize, outcome: u8) {
+    with_slot(slot, |s| s.outcome = outcome)
+}
+
+/// Records whether this database has sinks or subscriptions, for every worker of it.
+pub(crate) fn set_has_sinks(has: bool) {
+    let database = my_database();
+    let mut table = WORKERS.exclusive();
+    for s in table.slots.iter_mut().filter(|s| s.serving(database)) {
+        s.has_sinks = has;
+    }
+}
+
+/// Whether this worker is the first of its database (the lowest slot): it prunes.
+pub(crate) fn first_of_database(slot: usize) -> bool {
+    let database = my_database();
+    WORKERS
+        .share()
+        .slots
+        .iter()
+        .position(|s| s.serving(database))
+        == Some(slot)
+}
+
+/// An extra worker that found nothing to do may exit: true (and it must exit) when its database
+/// keeps more than `pg_outbox.min_workers` workers without it and another of them is free to
+/// take new work (not inside a handler). Decided under the lock, so two idle workers never both
+/// leave a database below its minimum.
+pub(crate) fn try_retire(slot: usize) -> bool {
+    let database = my_database();
+    let mut table = WORKERS.exclusive();
+    let others = table
+        .slots
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| *i != slot && s.serving(database) && s.installed);
+    let count = others.clone().count();
+    let free = others.clone().any(|(_, s)| !s.in_handler());
+    if count < settings::MIN_WORKERS.get().max(1) as usize || !free {
+        return false;
+    }
+    if let Some(s) = table.slots.get_mut(slot) {
+        s.outcome = OUTCOME_RETIRED;
+        s.installed = false; // no longer counted by another idle worker deciding the same
+    }
+    true
+}
+
+/// When every worker of this database is inside a handler and the cluster's `max_workers` are all
+/// running: the sinks and subscriptions those handlers run (nothing else can start until one
+/// returns). None otherwise.
+pub(crate) fn saturated() -> Option<Vec<String>> {
+    if !preloaded() {
+        return None;
+    }
+    let database = my_database();
+    let table = WORKERS.share();
+    let mine: Vec<&Slot> = table
+        .slots
+        .iter()
+        .filter(|s| s.serving(database) && s.installed)
+        .collect();
+    let taken = table.slots.iter().filter(|s| s.taken()).count();
+    let full = taken >= settings::MAX_WORKERS.get().max(1) as usize;
+    (full && !mine.is_empty() && mine.iter().all(|s| s.in_handler())).then(|| {
+        mine.iter()
+            .map(|s| {
+                String::from_utf8_lossy(&s.handler.name[..s.handler.name_len as usize]).into_owned()
+            })
+            .collect()
     })
 }
 
@@ -637,7 +884,7 @@ pub(crate) fn slot_failure(slot: usize, error: &str) {
     })
 }
 
-/// The workers of this cluster: one row per configured slot.
+/// The workers of this database: one row per running worker.
 #[pg_extern(volatile, parallel_safe)]
 #[allow(clippy::type_complexity)]
 fn workers() -> TableIterator<
@@ -662,13 +909,13 @@ fn workers() -> TableIterator<
             .then(|| TimestampWithTimeZone::try_from(t).ok())
             .flatten()
     };
-    let n = settings::WORKERS.get().clamp(0, settings::MAX_WORKERS) as usize;
+    let database = my_database();
     TableIterator::new(
         table
             .slots
             .into_iter()
-            .take(n)
             .enumerate()
+            .filter(move |(_, s)| s.serving(database))
             .map(move |(i, s)| {
                 (
                     i as i32,
@@ -693,10 +940,11 @@ fn wake() {
     if !preloaded() {
         crate::error::Error::NotPreloaded.report();
     }
+    let database = my_database();
     let table = WORKERS.share();
     table
         .slots
         .iter()
-        .filter(|s| s.proc_ptr != 0)
+        .filter(|s| s.serving(database))
         .for_each(set_latch);
 }

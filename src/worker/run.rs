@@ -3,10 +3,14 @@
 //! One loop serves every sink and pruning, each step in its own short transaction, and waits on
 //! its latch in between: a commit that raised events sets it, `pg_outbox.poll_interval` is only
 //! the fallback. An error in one step is logged, recorded and the loop goes on: a bad row must not
-//! crash-loop the worker. The worker never exits 0 (that would unregister it for good): on SIGTERM
-//! or a new `pg_outbox.database` it exits 1 and the postmaster starts it again.
+//! crash-loop the worker. The launcher started it for one database; it exits when pg_outbox is not
+//! installed there (any more), when the database leaves `pg_outbox.databases`, on SIGTERM, and,
+//! as an extra worker, when it has had nothing to do for `RETIRE_AFTER`.
 
-use super::{slot_busy, slot_failure, slot_pass, slot_started, slot_stopped};
+use super::{
+    round_begins, round_ends, slot_claimed, slot_failure, slot_installed, slot_outcome, slot_pass,
+    slot_started, OUTCOME_ABSENT, OUTCOME_EXCLUDED,
+};
 use crate::dispatch::{self, PassResult};
 use crate::settings;
 use crate::transaction::in_transaction;
@@ -37,9 +41,19 @@ fn installed() -> Installed {
 /// Job batches one subscription gets per round of the loop.
 const JOB_BATCHES_PER_ROUND: usize = 20;
 
+/// An extra worker exits once it has found nothing to do for this long (and its database keeps
+/// its minimum and a free worker without it: `try_retire`).
+const RETIRE_AFTER: Duration = Duration::from_secs(10);
+
 struct Worker {
     slot: usize,
     database: String,
+    /// Since when the rounds found nothing to do.
+    idle_since: Option<Instant>,
+    /// pg_outbox was found installed in the database.
+    installed: bool,
+    /// This round did something (delivered, fanned out, ran jobs, fired schedules, sent requests).
+    worked: bool,
     /// The state last warned about, so an idle worker says why once, not every poll.
     warned: Option<Installed>,
     last_prune: Option<Instant>,
@@ -73,18 +87,34 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         // SAFETY: reads a sig_atomic_t flag that signal handlers set.
         unsafe { pg_sys::InterruptPending != 0 }
     });
-    let database = settings::database();
-    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    slot_claimed(slot);
+    let oid = super::slot_database(slot);
+    BackgroundWorker::connect_worker_to_spi_by_oid(Some(pg_sys::Oid::from(oid)), None);
     let hung = slot_started(slot);
     // Before any statement of the worker's own: see crate::isolation.
-    if let Err(e) = in_transaction(|| {
+    let named = in_transaction(|| {
         crate::isolation::pin_worker_settings();
         crate::isolation::name_worker(slot);
-    }) {
-        pgrx::warning!("pg_outbox worker {slot}: cannot pin its settings, restarting: {e}");
-        slot_stopped(slot);
-        // SAFETY: ends this process; exit code 1 asks the postmaster to start the worker again.
-        unsafe { pg_sys::proc_exit(1) };
+        // SAFETY: looks up the name of the database this worker is connected to.
+        unsafe {
+            let name = pg_sys::get_database_name(pg_sys::MyDatabaseId);
+            std::ffi::CStr::from_ptr(name)
+                .to_string_lossy()
+                .into_owned()
+        }
+    });
+    let database = match named {
+        Ok(name) => name,
+        Err(e) => {
+            pgrx::warning!("pg_outbox worker {slot}: cannot pin its settings: {e}");
+            // SAFETY: ends this process; the launcher starts another.
+            unsafe { pg_sys::proc_exit(1) };
+        }
+    };
+    if !settings::serves(&database) {
+        slot_outcome(slot, OUTCOME_EXCLUDED);
+        // SAFETY: ends this process; its database is not in pg_outbox.databases.
+        unsafe { pg_sys::proc_exit(0) };
     }
     // The worker this one replaces was ended inside a handler that would not stop: count it.
     if let Some(hung) = hung {
@@ -107,6 +137,9 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
     let mut worker = Worker {
         slot,
         database,
+        idle_since: None,
+        installed: false,
+        worked: false,
         warned: None,
         last_prune: None,
         waiting_backoff: Duration::ZERO,
@@ -118,18 +151,12 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         settings_at_start: unsafe { pg_sys::GetNumConfigOptions() },
     };
     worker.run();
-    slot_stopped(slot);
-    // SAFETY: ends this process; exit code 1 asks the postmaster to start the worker again.
-    unsafe { pg_sys::proc_exit(1) };
+    // SAFETY: ends this process; the launcher decides whether another takes its place.
+    unsafe { pg_sys::proc_exit(0) };
 }
 
 impl Worker {
     fn run(&mut self) {
-        pgrx::log!(
-            "pg_outbox worker {} started in database \"{}\"",
-            self.slot,
-            self.database
-        );
         loop {
             if self.stopping() {
                 self.abandon_flights();
@@ -138,19 +165,28 @@ impl Worker {
             if BackgroundWorker::sighup_received() {
                 // SAFETY: the documented way to reload configuration in a background worker.
                 unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
-                if settings::database() != self.database {
+                if !settings::serves(&self.database) {
                     pgrx::log!(
-                        "pg_outbox worker {} restarting: pg_outbox.database changed to \"{}\"",
+                        "pg_outbox worker {} exits: database \"{}\" left pg_outbox.databases",
                         self.slot,
-                        settings::database()
+                        self.database
                     );
+                    slot_outcome(self.slot, OUTCOME_EXCLUDED);
+                    self.abandon_flights();
                     return;
                 }
             }
-            slot_busy(self.slot, true);
-            let timeout = self.step();
-            slot_busy(self.slot, false);
+            round_begins(self.slot);
+            self.worked = false;
+            let mut timeout = self.step();
+            if round_ends(self.slot) {
+                timeout = Duration::ZERO;
+            }
             idle();
+            if self.retiring() {
+                self.abandon_flights();
+                return;
+            }
             if !self.wait(timeout) {
                 self.abandon_flights();
                 return;
@@ -214,14 +250,33 @@ impl Worker {
                 return poll;
             }
         };
+        if state == Installed::Missing {
+            // A probe found nothing, or DROP EXTENSION: the launcher remembers, and looks again
+            // when CREATE EXTENSION asks it to.
+            if self.installed {
+                pgrx::log!(
+                    "pg_outbox worker {}: pg_outbox was dropped from database \"{}\"; exiting",
+                    self.slot,
+                    self.database
+                );
+            }
+            slot_outcome(self.slot, OUTCOME_ABSENT);
+            self.stop = true;
+            return Duration::ZERO;
+        }
+        if !self.installed {
+            self.installed = true;
+            slot_installed(self.slot);
+            pgrx::log!(
+                "pg_outbox worker {} started in database \"{}\"",
+                self.slot,
+                self.database
+            );
+        }
         if state != Installed::Ready {
             if self.warned.as_ref() != Some(&state) {
                 match &state {
-                    Installed::Missing => pgrx::warning!(
-                        "pg_outbox worker {} is idle: the extension is not installed in database \"{}\"",
-                        self.slot,
-                        self.database
-                    ),
+                    Installed::Missing => {}
                     Installed::Other(v) => pgrx::warning!(
                         "pg_outbox worker {} is idle: the installed SQL is version {v}, this binary is {}; run ALTER EXTENSION pg_outbox UPDATE",
                         self.slot,
@@ -277,6 +332,7 @@ impl Worker {
             match result {
                 Ok(PassResult::Delivered { events, full }) => {
                     slot_pass(self.slot, events as u64);
+                    self.worked |= events > 0;
                     busy |= full;
                 }
                 Ok(PassResult::Retry) => busy = true,
@@ -294,7 +350,10 @@ impl Worker {
                 activity("firing due schedules");
                 match in_transaction(crate::schedule::fire_due) {
                     // Look again soon: the next run, or a run that came due meanwhile.
-                    Ok(_) => sleep = sleep.min(Duration::from_millis(1)),
+                    Ok(_) => {
+                        self.worked = true;
+                        sleep = sleep.min(Duration::from_millis(1));
+                    }
                     Err(e) => self.failed(&format!("firing schedules: {e}")),
                 }
             }
@@ -320,7 +379,7 @@ impl Worker {
             self.contention_backoff = Duration::ZERO;
         }
         // One worker prunes; the cursor lock would serialise two anyway.
-        if self.slot == 0 {
+        if super::first_of_database(self.slot) {
             self.maybe_prune();
         }
         // Events committed but not yet readable: a transaction holds the horizon. Look again soon
@@ -353,6 +412,7 @@ impl Worker {
         match in_transaction(|| dispatch::fanout::pass(&names)) {
             Ok(PassResult::Delivered { events, full }) => {
                 slot_pass(self.slot, events as u64);
+                self.worked |= events > 0;
                 more |= full;
             }
             Ok(PassResult::Contended) => *contended = true,
@@ -401,6 +461,7 @@ impl Worker {
                 match in_transaction(|| dispatch::jobs::run(&name)) {
                     Ok(ran) => {
                         slot_pass(self.slot, ran.done as u64);
+                        self.worked |= ran.done > 0;
                         if !ran.full {
                             break;
                         }
@@ -457,6 +518,26 @@ impl Worker {
                 return true;
             }
         }
+    }
+
+    /// An extra worker that has found nothing to do for `RETIRE_AFTER` leaves, if its database
+    /// keeps enough workers without it (`try_retire`). Requests in flight count as work.
+    fn retiring(&mut self) -> bool {
+        if self.worked || !self.in_flight.is_empty() {
+            self.idle_since = None;
+            return false;
+        }
+        let since = *self.idle_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < RETIRE_AFTER || !super::try_retire(self.slot) {
+            return false;
+        }
+        pgrx::log!(
+            "pg_outbox worker {}: idle for {} s with other workers free in database \"{}\"; exiting",
+            self.slot,
+            RETIRE_AFTER.as_secs(),
+            self.database
+        );
+        true
     }
 
     /// True once SIGTERM has arrived (and from then on).

@@ -79,6 +79,9 @@ impl Cluster {
             &[
                 "fsync = off",
                 "max_prepared_transactions = 4",
+                // Tests take a database each; only the one a test asks for (worker_db) gets
+                // workers, as if it were the cluster's only database with pg_outbox.
+                "pg_outbox.databases = 'postgres'",
                 "pg_outbox.max_backoff = '1s'",
             ],
         )
@@ -236,8 +239,8 @@ impl Cluster {
         );
     }
 
-    /// Waits until `pg_outbox.workers` workers are connected to `db` (they move databases when
-    /// pg_outbox.database changes).
+    /// Waits until `pg_outbox.min_workers` workers are connected to `db`, and none to another
+    /// database (they leave when `pg_outbox.databases` no longer names theirs).
     pub fn wait_for_workers(&self, db: &str) {
         let mut c = self.connect("postgres", "postgres");
         eventually(
@@ -246,7 +249,7 @@ impl Cluster {
             || {
                 let row = c
                 .query_one(
-                    "SELECT count(*) FILTER (WHERE datname = $1) = current_setting('pg_outbox.workers')::int8 \
+                    "SELECT count(*) FILTER (WHERE datname = $1) >= current_setting('pg_outbox.min_workers')::int8 \
                             AND count(*) FILTER (WHERE datname IS DISTINCT FROM $1) = 0 \
                        FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker'",
                     &[&db],
@@ -327,10 +330,10 @@ pub fn test_db(label: &str) -> TestDb {
     }
 }
 
-/// A fresh database with pg_outbox whose workers deliver in it (pg_outbox.database points there).
+/// A fresh database with pg_outbox whose workers deliver in it (pg_outbox.databases names it).
 pub fn worker_db(label: &str) -> TestDb {
     let db = test_db(label);
-    db.cluster.set("pg_outbox.database", &db.name);
+    db.cluster.set("pg_outbox.databases", &db.name);
     db.cluster.wait_for_workers(&db.name);
     db
 }

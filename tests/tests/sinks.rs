@@ -553,7 +553,7 @@ fn the_worker_prunes_on_a_timer_only_what_every_consumer_passed() {
 }
 
 #[test]
-fn drop_extension_with_the_worker_running_succeeds_and_the_worker_idles() {
+fn drop_extension_with_the_worker_running_succeeds_and_create_extension_brings_it_back() {
     let (db, mut c) = setup("sink_drop_ext");
     recording_sink(&mut c, "books", ", batch_size => 5");
     // Slow batches, so that the DROP lands while a worker is inside a pass.
@@ -564,13 +564,19 @@ fn drop_extension_with_the_worker_running_succeeds_and_the_worker_idles() {
     let start = Instant::now();
     c.batch_execute("DROP EXTENSION pg_outbox CASCADE").unwrap();
     assert!(start.elapsed() < Duration::from_secs(5));
-    // The workers stay (idle, not crash-looping) and deliver again once it is back.
-    let pids = db.cluster().worker_pids();
+    // The workers leave the database, and the launcher starts none there again: no crash loop.
+    eventually("the workers to leave", Duration::from_secs(10), || {
+        db.cluster().worker_pids().is_empty().then_some(())
+    });
     c.batch_execute("SELECT pg_sleep(1.5)").unwrap();
     assert_eq!(
         db.cluster().worker_pids(),
-        pids,
-        "the workers neither exited nor restarted"
+        Vec::<i32>::new(),
+        "no worker started in a database without pg_outbox"
+    );
+    assert!(
+        !db.cluster().log().contains("pg_outbox worker 0 is idle"),
+        "no worker waits there"
     );
     c.batch_execute("DROP TABLE ledger, control CASCADE; CREATE EXTENSION pg_outbox")
         .unwrap();

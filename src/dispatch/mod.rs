@@ -436,7 +436,7 @@ pub(crate) fn save_state(
                 down = $5, transient = 0, \
                 last_error = coalesce($6, last_error), last_sqlstate = coalesce($7, last_sqlstate), \
                 last_error_at = CASE WHEN $6 IS NULL THEN last_error_at ELSE pg_catalog.now() END, \
-                delivered = delivered + $8, \
+                delivered = delivered + $8, failures = failures + CASE WHEN $6 IS NULL THEN 0 ELSE 1 END, \
                 last_delivered_at = CASE WHEN $8 > 0 THEN pg_catalog.now() ELSE last_delivered_at END \
           WHERE id = $1",
         None,

@@ -26,7 +26,10 @@ CREATE TABLE outbox.sinks (
     delivered         bigint      NOT NULL DEFAULT 0,
     created_at        timestamptz NOT NULL DEFAULT pg_catalog.now(),
     -- Key of the sink's lease (see src/lease.rs).
-    lease_key         integer     GENERATED ALWAYS AS IDENTITY
+    lease_key         integer     GENERATED ALWAYS AS IDENTITY,
+    -- Failed deliveries since the sink was created (a batch, a lone event, a neighbour test, a
+    -- request): with `delivered`, the counters metrics export.
+    failures          bigint      NOT NULL DEFAULT 0
 );
 
 -- Where an HTTP sink posts, and how. No role but the extension's owner can read it: the headers

@@ -21,7 +21,10 @@ RETURNS TABLE (
     -- the filter failed (counted as false; last_error holds the last such error).
     matched         bigint,
     skipped         bigint,
-    predicate_errors bigint
+    predicate_errors bigint,
+    -- Sinks: events delivered and failed deliveries since the sink was created (outbox.metrics()).
+    delivered       bigint,
+    failures        bigint
 )
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x)
@@ -40,7 +43,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                 ELSE '<insufficient privilege>' END,
            s.last_sqlstate,
            (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = c.name),
-           sub.matched, sub.skipped, sub.predicate_errors
+           sub.matched, sub.skipped, sub.predicate_errors, s.delivered, s.failures
       FROM outbox.consumers c
       LEFT JOIN outbox.sinks s ON s.id = c.name
       LEFT JOIN outbox.subscriptions sub ON sub.name = c.name

@@ -1556,7 +1556,7 @@ fn a_key_given_to_enqueue_cannot_hide_an_event_from_a_subscription() {
 const OPS_GRANTS: &str = "GRANT USAGE ON SCHEMA outbox TO {r};
     GRANT EXECUTE ON FUNCTION outbox.horizon(), outbox.status(), outbox.queue_status(),
         outbox.queue_privileges(), outbox.schedule_status(), outbox.workers(), outbox.wake(),
-        outbox.prune(interval, integer) TO {r};";
+        outbox.metrics(), outbox.prune(interval, integer) TO {r};";
 
 #[test]
 fn an_operator_sees_no_error_text_of_other_roles_unless_it_may_read_all_stats() {

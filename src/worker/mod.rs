@@ -325,6 +325,8 @@ pub fn register() {
     unsafe {
         PREV_OBJECT_ACCESS_HOOK = pg_sys::object_access_hook;
         pg_sys::object_access_hook = Some(on_object_access);
+        PREV_PROCESS_UTILITY_HOOK = pg_sys::ProcessUtility_hook;
+        pg_sys::ProcessUtility_hook = Some(on_process_utility);
     }
     // SAFETY: reading a postmaster global during _PG_init.
     if unsafe { pg_sys::IsBinaryUpgrade } {
@@ -404,18 +406,83 @@ unsafe extern "C-unwind" fn on_object_access(
     if access != pg_sys::ObjectAccessType::OAT_DROP || class_id != pg_sys::DatabaseRelationId {
         return;
     }
+    ask_to_leave(object_id.to_u32(), "being dropped");
+}
+
+/// Asks the workers of `database` to leave it (SIGTERM): DROP DATABASE and CREATE DATABASE from
+/// it as a template wait for other sessions to leave, and fail after 5 s. The launcher starts
+/// them again after a second; they then wait for the command's lock on the database before they
+/// connect (or find it gone).
+fn ask_to_leave(database: u32, why: &str) {
     let pids: Vec<i32> = WORKERS
         .share()
         .slots
         .iter()
-        .filter(|s| s.pid != 0 && s.database == object_id.to_u32())
+        .filter(|s| s.pid != 0 && s.database == database)
         .map(|s| s.pid)
         .collect();
     for pid in pids {
-        pgrx::log!("pg_outbox: asking worker (pid {pid}) to leave the database being dropped");
+        pgrx::log!("pg_outbox: asking worker (pid {pid}) to leave the database {why}");
         // SAFETY: signalling a server process of this cluster, as pg_terminate_backend does. A
         // worker inside a handler dies at the handler's next interrupt check (`on_sigterm`).
         unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
+}
+
+static mut PREV_PROCESS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
+
+/// CREATE DATABASE ... TEMPLATE a database with pg_outbox: its workers leave it first, or the copy
+/// would fail ("source database is being accessed by other users").
+#[pg_guard]
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C-unwind" fn on_process_utility(
+    pstmt: *mut pg_sys::PlannedStmt,
+    query: *const std::ffi::c_char,
+    read_only_tree: bool,
+    context: pg_sys::ProcessUtilityContext::Type,
+    params: pg_sys::ParamListInfo,
+    env: *mut pg_sys::QueryEnvironment,
+    dest: *mut pg_sys::DestReceiver,
+    qc: *mut pg_sys::QueryCompletion,
+) {
+    // SAFETY: PostgreSQL hands the hook a valid planned utility statement; the options of a
+    // CreatedbStmt are DefElems, read as createdb() reads them. Then the previous hook (or the
+    // standard one) runs with the same arguments.
+    unsafe {
+        let stmt = (*pstmt).utilityStmt;
+        if !stmt.is_null() && (*stmt).type_ == pg_sys::NodeTag::T_CreatedbStmt {
+            let options = pgrx::PgList::<pg_sys::DefElem>::from_pg(
+                (*(stmt as *mut pg_sys::CreatedbStmt)).options,
+            );
+            for option in options.iter_ptr() {
+                let name = std::ffi::CStr::from_ptr((*option).defname);
+                if name.to_bytes() == b"template" && !(*option).arg.is_null() {
+                    let template = pg_sys::defGetString(option);
+                    let oid = pg_sys::get_database_oid(template, true);
+                    // Only for a role that may copy it (createdb() checks after this hook): or
+                    // any role could stall another database's delivery with a failing command.
+                    if oid != pg_sys::InvalidOid
+                        && (pg_sys::superuser()
+                            || pg_sys::pg_database_ownercheck(oid, pg_sys::GetUserId()))
+                    {
+                        ask_to_leave(oid.to_u32(), "used as the template of a new database");
+                    }
+                }
+            }
+        }
+        match PREV_PROCESS_UTILITY_HOOK {
+            Some(prev) => prev(pstmt, query, read_only_tree, context, params, env, dest, qc),
+            None => pg_sys::standard_ProcessUtility(
+                pstmt,
+                query,
+                read_only_tree,
+                context,
+                params,
+                env,
+                dest,
+                qc,
+            ),
+        }
     }
 }
 

@@ -129,6 +129,36 @@ fn every_database_with_pg_outbox_gets_delivery_and_create_drop_start_and_stop_it
             took < Duration::from_secs(3),
             "delivery in a again after {took:?}"
         );
+        // CREATE DATABASE ... TEMPLATE a database with workers: they leave it for the copy, and the
+        // copy (with pg_outbox in it) gets delivery too.
+        let start = Instant::now();
+        admin
+            .batch_execute("CREATE DATABASE a_copy TEMPLATE a")
+            .unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "CREATE DATABASE took {:?}",
+            start.elapsed()
+        );
+        let mut copy = cluster.connect("a_copy", "postgres");
+        copy.batch_execute("SELECT outbox.raise('x.y')").unwrap();
+        eventually("delivery in the copy", Duration::from_secs(15), || {
+            (count(&mut copy, "SELECT count(*) FROM got") == 2).then_some(())
+        });
+        eventually("a's workers back", Duration::from_secs(10), || {
+            (!workers_in(cluster, "a").is_empty()).then_some(())
+        });
+        // A role that may not copy it cannot make the workers leave by trying.
+        admin
+            .batch_execute("CREATE ROLE copier LOGIN CREATEDB")
+            .unwrap();
+        let before = workers_in(cluster, "a");
+        let mut copier = cluster.connect("postgres", "copier");
+        assert!(copier
+            .batch_execute("CREATE DATABASE stolen TEMPLATE a")
+            .is_err());
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(workers_in(cluster, "a"), before, "the workers stayed");
         // DROP DATABASE goes through at once while its workers run, and the launcher does not
         // keep starting workers for a database that is gone.
         assert!(!workers_in(cluster, "b").is_empty());

@@ -9,7 +9,9 @@
 -- windows are cut at pg_outbox.max_batch_bytes (outbox._read_window, outbox._event_size).
 -- Delivery starts in every database where the extension is installed (a launcher; CREATE
 -- EXTENSION tells it through outbox._start_delivery()), and outbox.metrics() gives monitoring
--- its numbers, with a count of failed deliveries per sink.
+-- its numbers, with a count of failed deliveries per sink. pg_dump keeps the extension's tables
+-- and sequences, positions survive a restore into another cluster (outbox.lineage, an epoch in
+-- a position's txid), and roles are kept by name (regrole columns).
 --
 -- Queues that exist at the upgrade keep the access they had: each belongs to the role of the
 -- subscription or schedule that feeds it (else to the owner of the log), and every role that could
@@ -35,8 +37,43 @@ CREATE UNIQUE INDEX jobs_waiting_run ON outbox.jobs (queue, schedule, key)
 ALTER TABLE outbox.sinks ADD COLUMN failures bigint;
 UPDATE outbox.sinks SET failures = 0;
 ALTER TABLE outbox.sinks ALTER COLUMN failures SET DEFAULT 0, ALTER COLUMN failures SET NOT NULL;
+
+-- Positions survive pg_dump and pg_restore into another cluster (src/lineage.rs). The log's
+-- existing positions are this database's epoch 0, and were raised in.
+CREATE FUNCTION outbox._log_txid() RETURNS pg_catalog.xid8
+VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'pg_outbox_log_txid';
+CREATE FUNCTION outbox._log_horizon() RETURNS pg_catalog.xid8
+STABLE PARALLEL SAFE LANGUAGE c AS 'MODULE_PATHNAME', 'pg_outbox_log_horizon';
+CREATE TABLE outbox.lineage (
+    system_identifier bigint      NOT NULL,   -- pg_control_system() of the cluster
+    database          oid         NOT NULL,   -- the database in that cluster
+    epoch             integer     NOT NULL CHECK (epoch BETWEEN 0 AND 65535),
+    raised            boolean     NOT NULL DEFAULT false,   -- positions were made here
+    since             timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+INSERT INTO outbox.lineage (system_identifier, database, epoch, raised)
+SELECT s.system_identifier, d.oid, 0, true
+  FROM pg_catalog.pg_control_system() s, pg_catalog.pg_database d
+ WHERE d.datname = pg_catalog.current_database();
+ALTER TABLE outbox.events ALTER COLUMN txid SET DEFAULT outbox._log_txid();
+
+-- Roles by name: a dump names them, a restore finds them by name in the new cluster.
+ALTER TABLE outbox.consumers ALTER COLUMN owner TYPE regrole;
+ALTER TABLE outbox.schedules ALTER COLUMN owner TYPE regrole;
 CREATE UNIQUE INDEX jobs_waiting_event ON outbox.jobs (queue, subscription, event)
     WHERE subscription IS NOT NULL AND state = 'waiting';
+
+CREATE OR REPLACE FUNCTION outbox._read_after(after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
+RETURNS SETOF outbox.event
+LANGUAGE sql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
+    SELECT e.id, e.txid::text || ':' || e.seq::text, e.topic, e.subject, e.tenant, e.payload,
+           e.headers, e.raised_at
+      FROM outbox.events e
+     WHERE e.txid < outbox._log_horizon()
+       AND (e.txid, e.seq) > (after_txid, after_seq)
+     ORDER BY e.txid, e.seq
+     LIMIT max_events
+$$;
 
 CREATE FUNCTION outbox."_event_size"(
 	"payload" jsonb,
@@ -72,13 +109,13 @@ $$;
 -- SECURITY INVOKER too, and only the log's owner may touch these tables.
 CREATE TABLE outbox.queues (
     name       text        NOT NULL PRIMARY KEY,
-    owner      oid         NOT NULL,
+    owner      regrole     NOT NULL,
     created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
 );
 
 CREATE TABLE outbox.queue_grants (
     queue   text    NOT NULL REFERENCES outbox.queues (name) ON DELETE CASCADE,
-    grantee oid     NOT NULL,
+    grantee regrole NOT NULL,
     enqueue boolean NOT NULL,
     work    boolean NOT NULL,
     PRIMARY KEY (queue, grantee)
@@ -710,7 +747,7 @@ RETURNS TABLE (
     failures        bigint
 )
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x)
+    WITH h AS (SELECT outbox._log_horizon() AS x)
     SELECT c.name, c.kind, c.txid::text || ':' || c.seq::text, b.n, now() - b.oldest,
            CASE WHEN s.paused OR sub.paused THEN 'paused'
                 WHEN s.down THEN 'down'
@@ -925,7 +962,7 @@ AS 'MODULE_PATHNAME', 'metrics_wrapper';
 -- a REVOKE on every function would record the grants users made on the others as the
 -- extension's own initial privileges (pg_dump would then leave them out), and default
 -- privileges may have given the new ones ACLs of their own.
-REVOKE ALL ON TABLE outbox.queues, outbox.queue_grants FROM PUBLIC;
+REVOKE ALL ON TABLE outbox.queues, outbox.queue_grants, outbox.lineage FROM PUBLIC;
 DO $$
 DECLARE
     f regprocedure;
@@ -937,7 +974,7 @@ BEGIN
                     '_revoke_queue', 'queue_privileges', '_enqueue', '_claim', '_complete_many',
                     '_check_job', '_fail', '_extend', '_replay_job', '_status', '_queue_status',
                     'create_queue', 'drop_queue', 'grant_queue', 'revoke_queue',
-                    '_start_delivery', 'metrics']) LOOP
+                    '_start_delivery', 'metrics', '_log_txid', '_log_horizon']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END
@@ -1009,3 +1046,16 @@ ALTER TABLE outbox.subscriptions
     ADD CONSTRAINT subscriptions_queue_fkey FOREIGN KEY (queue) REFERENCES outbox.queues (name);
 ALTER TABLE outbox.schedules
     ADD CONSTRAINT schedules_queue_fkey FOREIGN KEY (queue) REFERENCES outbox.queues (name);
+
+-- pg_dump keeps everything from now on: every table and sequence, as a fresh install marks them.
+DO $$
+DECLARE
+    r regclass;
+BEGIN
+    FOR r IN SELECT c.oid FROM pg_catalog.pg_class c
+              WHERE c.relnamespace = 'outbox'::pg_catalog.regnamespace AND c.relkind IN ('r', 'S')
+              ORDER BY c.relname LOOP
+        PERFORM pg_catalog.pg_extension_config_dump(r, '');
+    END LOOP;
+END
+$$;

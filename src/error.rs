@@ -33,6 +33,9 @@ pub enum Error {
     NotInstalled,
     /// A feature that needs the background workers, without pg_outbox preloaded.
     NotPreloaded,
+    /// outbox.lineage names two logs that both made positions: events were raised in this
+    /// database before the dump being restored into it was in (src/lineage.rs).
+    LineageConflict,
     /// A pull-consumer operation on a sink (or the other way round).
     NotPull {
         name: String,
@@ -90,6 +93,7 @@ impl Error {
             Error::BeyondHorizon { .. } => ERRCODE_INVALID_PARAMETER_VALUE,
             Error::NotInstalled => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::NotPreloaded => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            Error::LineageConflict => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::NotPull { .. } => ERRCODE_WRONG_OBJECT_TYPE,
             Error::NotASink(_) | Error::NotASubscription(_) => ERRCODE_WRONG_OBJECT_TYPE,
             Error::NoDeadLetter { .. } => ERRCODE_UNDEFINED_OBJECT,
@@ -119,6 +123,9 @@ impl Error {
             Error::NotInstalled => "pg_outbox is not installed in this database".into(),
             Error::NotPreloaded => {
                 "pg_outbox is not preloaded: its background workers are not running".into()
+            }
+            Error::LineageConflict => {
+                "this database holds a log restored from another database and events raised here before the restore was complete: their order is not known".into()
             }
             Error::NotPull { name, kind } => format!("\"{name}\" is a {kind}, not a pull consumer"),
             Error::NotASink(name) => format!("\"{name}\" is not a sink"),
@@ -174,6 +181,9 @@ impl Error {
                 Some("advance only to positions that outbox.read() returned".into())
             }
             Error::NotInstalled => Some("run CREATE EXTENSION pg_outbox".into()),
+            Error::LineageConflict => Some(
+                "restore into a database where nothing is raised until the restore is complete; to deliver on in the order the log holds, a superuser may delete every row of outbox.lineage but one".into(),
+            ),
             Error::NotPreloaded => Some(
                 "add pg_outbox to shared_preload_libraries in postgresql.conf and restart the server".into(),
             ),

@@ -97,12 +97,15 @@ fn horizon() -> TableIterator<
         name!(query, Option<String>),
     ),
 > {
-    let h = read_rule::horizon();
+    // The holder is found by its transaction id; events are counted in positions (the same id
+    // in this database's epoch, see crate::lineage).
+    let h = crate::lineage::xmin();
     let (pid, datname, usename, xid_age, xact_age, state, query) = holder(h);
+    let bound = read_rule::horizon();
     let waiting = as_owner(|| {
         crate::query::one::<i64>(
             "SELECT count(*) FROM outbox.events WHERE txid >= $1::xid8",
-            &[DatumWithOid::from(h.to_string())],
+            &[DatumWithOid::from(bound.to_string())],
         )
     })
     .unwrap_or(0);

@@ -11,6 +11,7 @@ mod error;
 mod horizon;
 mod isolation;
 mod lease;
+mod lineage;
 mod owner;
 mod prune;
 mod query;

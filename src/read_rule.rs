@@ -5,14 +5,10 @@
 //! still running anywhere in the cluster. Everything older has ended, so a position below the
 //! horizon can have been handed to a reader and nothing can commit behind it any more.
 
-/// `pg_snapshot_xmin(pg_current_snapshot())` of the current statement, as a full 64-bit xid.
+/// The read horizon in positions: `pg_snapshot_xmin(pg_current_snapshot())` of the current
+/// statement as a full 64-bit xid, in this database's epoch (see `crate::lineage`).
 pub fn horizon() -> u64 {
-    let text = crate::query::one::<String>(
-        "SELECT pg_catalog.pg_snapshot_xmin(pg_catalog.pg_current_snapshot())::text",
-        &[],
-    )
-    .expect("a snapshot always has an xmin");
-    text.parse().expect("xid8 prints as an unsigned integer")
+    crate::lineage::horizon()
 }
 
 /// How many bytes an event's payload and headers take uncompressed (`outbox._event_size`), read

@@ -161,7 +161,7 @@ pub fn events_waiting() -> bool {
     crate::query::one::<bool>(
         // max(txid) reads one entry at the end of the primary key; an EXISTS over the inequality
         // was planned as a sequential scan (25 ms on 400,000 events, every round).
-        "SELECT max(txid) >= pg_catalog.pg_snapshot_xmin(pg_catalog.pg_current_snapshot()) FROM outbox.events",
+        "SELECT max(txid) >= outbox._log_horizon() FROM outbox.events",
         &[],
     )
     .unwrap_or(false)

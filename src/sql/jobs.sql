@@ -12,13 +12,13 @@
 -- SECURITY INVOKER too, and only the log's owner may touch these tables.
 CREATE TABLE outbox.queues (
     name       text        NOT NULL PRIMARY KEY,
-    owner      oid         NOT NULL,
+    owner      regrole     NOT NULL,
     created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
 );
 
 CREATE TABLE outbox.queue_grants (
     queue   text    NOT NULL REFERENCES outbox.queues (name) ON DELETE CASCADE,
-    grantee oid     NOT NULL,
+    grantee regrole NOT NULL,
     enqueue boolean NOT NULL,
     work    boolean NOT NULL,
     PRIMARY KEY (queue, grantee)

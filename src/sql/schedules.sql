@@ -33,7 +33,7 @@ CREATE TABLE outbox.schedules (
     queue      text        REFERENCES outbox.queues (name),
     payload    jsonb       NOT NULL DEFAULT '{}',
     -- The role that created the schedule; only its members (or a superuser) may drop it.
-    owner      oid         NOT NULL,
+    owner      regrole     NOT NULL,
     next_run   timestamptz NOT NULL,
     last_run   timestamptz,
     fired      bigint      NOT NULL DEFAULT 0,

@@ -2,12 +2,35 @@
 -- Every name is schema-qualified and every function pins search_path: the install script and the
 -- functions run as the installing superuser, and an unqualified name is a hijack waiting to happen.
 
+-- Positions survive pg_dump and pg_restore into another cluster (src/lineage.rs): a position's
+-- txid is the transaction id plus this database's epoch in its top 16 bits. _log_txid() makes
+-- one for the current transaction; _log_horizon() is the read rule's bound in the same terms.
+CREATE FUNCTION outbox._log_txid() RETURNS pg_catalog.xid8
+VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'pg_outbox_log_txid';
+CREATE FUNCTION outbox._log_horizon() RETURNS pg_catalog.xid8
+STABLE PARALLEL SAFE LANGUAGE c AS 'MODULE_PATHNAME', 'pg_outbox_log_horizon';
+
+-- Which cluster and database this log's positions belong to, and its epoch. One row; after a
+-- restore elsewhere two, until the first raise adopts the log (src/lineage.rs). Dumped with the
+-- log, like every table of the extension (see privileges.sql).
+CREATE TABLE outbox.lineage (
+    system_identifier bigint      NOT NULL,   -- pg_control_system() of the cluster
+    database          oid         NOT NULL,   -- the database in that cluster
+    epoch             integer     NOT NULL CHECK (epoch BETWEEN 0 AND 65535),
+    raised            boolean     NOT NULL DEFAULT false,   -- positions were made here
+    since             timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+INSERT INTO outbox.lineage (system_identifier, database, epoch)
+SELECT s.system_identifier, d.oid, 0
+  FROM pg_catalog.pg_control_system() s, pg_catalog.pg_database d
+ WHERE d.datname = pg_catalog.current_database();
+
 -- seq only has to increase within one transaction (positions order by txid first), so each
 -- backend may cache a block of numbers: that takes the sequence off the hot path of 8 writers.
 CREATE SEQUENCE outbox.events_seq AS bigint CACHE 64;
 
 CREATE TABLE outbox.events (
-    txid      pg_catalog.xid8        NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    txid      pg_catalog.xid8        NOT NULL DEFAULT outbox._log_txid(),
     seq       bigint                 NOT NULL DEFAULT pg_catalog.nextval('outbox.events_seq'::pg_catalog.regclass),
     id        uuid                   NOT NULL,
     topic     text                   NOT NULL,
@@ -49,7 +72,8 @@ CREATE TABLE outbox.consumers (
     txid       pg_catalog.xid8        NOT NULL,
     seq        bigint                 NOT NULL,
     -- The role that created the consumer; only its members (or a superuser) may move or drop it.
-    owner      oid                    NOT NULL,
+    -- regrole: a dump names the role, and a restore finds it by name in the new cluster.
+    owner      regrole                NOT NULL,
     -- Bumped by each outbox.rewind(): the only way the trigger below lets a cursor move back.
     rewinds    bigint                 NOT NULL DEFAULT 0,
     created_at timestamptz            NOT NULL DEFAULT pg_catalog.now(),
@@ -89,7 +113,7 @@ LANGUAGE sql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
     SELECT e.id, e.txid::text || ':' || e.seq::text, e.topic, e.subject, e.tenant, e.payload,
            e.headers, e.raised_at
       FROM outbox.events e
-     WHERE e.txid < pg_snapshot_xmin(pg_current_snapshot())
+     WHERE e.txid < outbox._log_horizon()
        AND (e.txid, e.seq) > (after_txid, after_seq)
      ORDER BY e.txid, e.seq
      LIMIT max_events

@@ -27,7 +27,7 @@ RETURNS TABLE (
     failures        bigint
 )
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x)
+    WITH h AS (SELECT outbox._log_horizon() AS x)
     SELECT c.name, c.kind, c.txid::text || ':' || c.seq::text, b.n, now() - b.oldest,
            CASE WHEN s.paused OR sub.paused THEN 'paused'
                 WHEN s.down THEN 'down'

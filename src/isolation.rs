@@ -16,7 +16,11 @@ use std::ffi::CStr;
 
 /// What the workers' own statements rely on. Each would otherwise come from the database's or
 /// the bootstrap role's defaults, which a database owner can change.
-const PINNED: [(&CStr, &CStr); 9] = [
+const PINNED: [(&CStr, &CStr); 10] = [
+    // The workers act as the role they connected as (the bootstrap superuser), whatever
+    // `ALTER DATABASE ... SET role` says: a database owner could otherwise make them run as
+    // itself, and their own SQL fail (or worse) there.
+    (c"role", c"none"),
     // Nothing but the catalog resolves an unqualified name in the workers' SQL.
     (c"search_path", c"pg_catalog, pg_temp"),
     // The workers write (cursors, jobs, dead letters) and rely on READ COMMITTED snapshots.
@@ -35,6 +39,17 @@ const PINNED: [(&CStr, &CStr); 9] = [
 /// Sets the pinned settings for the rest of this process's life (at session level: above the
 /// database's and role's defaults and the configuration file). Call in a transaction.
 pub fn pin_worker_settings() {
+    // The session's role first: `ALTER DATABASE ... SET session_authorization`, which a database
+    // owner may run, applies to a worker at connection (it connected as the bootstrap superuser,
+    // who may take any identity) and would make the whole process that owner.
+    // SAFETY: reads the name of a role that always exists.
+    let bootstrap = unsafe {
+        CStr::from_ptr(pg_sys::GetUserNameFromId(
+            pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID),
+            false,
+        ))
+    };
+    set(c"session_authorization", bootstrap);
     for (name, value) in PINNED {
         set(name, value);
     }
@@ -81,10 +96,18 @@ fn current(name: &CStr) -> Option<String> {
 /// The pinned settings that no longer hold (defence in depth: the nest levels should make this
 /// impossible). The worker checks before each round, puts them back and says so.
 pub fn drifted() -> Vec<String> {
-    PINNED
-        .iter()
-        .filter(|(name, value)| current(name).as_deref() != Some(&*value.to_string_lossy()))
-        .map(|(name, _)| name.to_string_lossy().into_owned())
+    // SAFETY: reads backend globals.
+    let session = unsafe { pg_sys::GetSessionUserId() };
+    let identity = (session != pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID))
+        .then(|| "session_authorization".to_string());
+    identity
+        .into_iter()
+        .chain(
+            PINNED
+                .iter()
+                .filter(|(name, value)| current(name).as_deref() != Some(&*value.to_string_lossy()))
+                .map(|(name, _)| name.to_string_lossy().into_owned()),
+        )
         .collect()
 }
 

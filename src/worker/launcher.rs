@@ -65,6 +65,8 @@ struct Launcher {
     absent: HashSet<u32>,
     /// Databases where workers failed to start: how many times, and when to try again.
     failing: HashMap<u32, (u32, Instant)>,
+    /// Databases where a worker found pg_outbox installed (until one finds it gone).
+    known: HashSet<u32>,
     databases: Vec<Database>,
     scanned_at: Option<Instant>,
 }
@@ -89,6 +91,7 @@ pub extern "C-unwind" fn pg_outbox_launcher_main(_arg: pg_sys::Datum) {
         handles: vec![std::ptr::null_mut(); settings::WORKER_SLOTS],
         absent: HashSet::new(),
         failing: HashMap::new(),
+        known: HashSet::new(),
         databases: Vec::new(),
         scanned_at: None,
     };
@@ -116,17 +119,25 @@ pub extern "C-unwind" fn pg_outbox_launcher_main(_arg: pg_sys::Datum) {
 /// `max_worker_processes` must hold the launcher and `pg_outbox.max_workers` beside PostgreSQL's
 /// own background workers (logical replication's launcher, parallel query): say so once, clearly.
 fn check_sizing() {
-    // SAFETY: reads a postmaster setting.
-    let available = unsafe { pg_sys::max_worker_processes };
-    let wanted = settings::MAX_WORKERS.get() + 2;
+    // SAFETY: reads postmaster settings.
+    let (available, parallel) =
+        unsafe { (pg_sys::max_worker_processes, pg_sys::max_parallel_workers) };
+    let workers = settings::MAX_WORKERS.get();
+    let wanted = workers + 2;
     if available < wanted {
         pgrx::warning!(
-            "pg_outbox: max_worker_processes = {available} is too small for pg_outbox.max_workers = {}: \
-             the launcher, {} workers and logical replication's launcher need {wanted}, and parallel \
-             query takes from the same pool; set max_worker_processes to at least {} and restart",
-            settings::MAX_WORKERS.get(),
-            settings::MAX_WORKERS.get(),
-            wanted + 2
+            "pg_outbox: max_worker_processes = {available} is too small for pg_outbox.max_workers = {workers}: \
+             the launcher, {workers} workers and logical replication's launcher need {wanted}; set \
+             max_worker_processes to at least {} (with max_parallel_workers = {parallel}, which \
+             parallel query takes from the same pool) and restart",
+            wanted + parallel
+        );
+    } else if available < wanted + parallel {
+        pgrx::log!(
+            "pg_outbox: max_worker_processes = {available} holds pg_outbox's launcher and {workers} \
+             workers, but when they all run, parallel query gets fewer than max_parallel_workers = \
+             {parallel}; {} would hold both",
+            wanted + parallel
         );
     }
 }
@@ -169,6 +180,8 @@ impl Launcher {
                 for d in databases {
                     self.absent.remove(d);
                     self.failing.remove(d);
+                    // CREATE EXTENSION committed there: it is owed its minimum like any other.
+                    self.known.insert(*d);
                 }
                 !databases.is_empty()
             }
@@ -179,6 +192,7 @@ impl Launcher {
             let known: HashSet<u32> = self.databases.iter().map(|d| d.oid).collect();
             self.absent.retain(|d| known.contains(d));
             self.failing.retain(|d, _| known.contains(d));
+            self.known.retain(|d| known.contains(d));
         }
         let (starts, wake_in) = self.plan();
         for (database, why) in starts {
@@ -189,56 +203,68 @@ impl Launcher {
             .max(Duration::from_millis(10))
     }
 
-    /// Frees the slots of workers that exited (restarting one that hung in a handler), and of
-    /// workers that never started.
+    /// Frees the slots of workers that exited (restarting one that hung in a handler), ends
+    /// workers that have not connected in time, and those of databases the launcher no longer
+    /// serves.
     fn reap(&mut self) {
         let mut relaunch = Vec::new();
+        let listed: HashSet<u32> = self.databases.iter().map(|d| d.oid).collect();
         {
             let mut table = WORKERS.exclusive();
             for (i, s) in table.slots.iter_mut().enumerate() {
                 let handle = self.handles[i];
-                let never_started = s.state == STARTING && {
+                if s.state == STARTING {
                     let waited = Duration::from_micros((now() - s.requested_at).max(0) as u64);
-                    match handle.is_null() {
-                        // Started by an earlier launcher: give up after a while.
+                    let gone = match handle.is_null() {
+                        // Asked for by an earlier launcher: give up after a while.
                         true => waited > START_TIMEOUT,
                         false => handle_stopped(handle),
+                    };
+                    if gone {
+                        s.state = EXITED;
+                    } else if waited > START_TIMEOUT && !handle.is_null() {
+                        // Stuck before it connected (a lock on its database, say): end it, or it
+                        // holds a slot and a probe's turn for ever.
+                        // SAFETY: a live handle of ours.
+                        unsafe { pg_sys::TerminateBackgroundWorker(handle) };
                     }
-                };
-                if s.state != EXITED && !never_started {
+                }
+                if s.state == RUNNING
+                    && self.scanned_at.is_some()
+                    && !listed.contains(&s.database)
+                    && s.pid != 0
+                    && !s.retire
+                {
+                    // Its database became a template, stopped accepting connections or left
+                    // pg_outbox.databases.
+                    s.retire = true;
+                    // SAFETY: signalling a worker of ours, as pg_terminate_backend does.
+                    unsafe { libc::kill(s.pid, libc::SIGTERM) };
+                }
+                if s.state != EXITED {
                     continue;
                 }
                 let database = s.database;
-                if s.outcome == OUTCOME_ABSENT {
-                    self.absent.insert(database);
-                } else if s.outcome == OUTCOME_NONE {
-                    // Ended (SIGTERM, DROP DATABASE, an error) or never got in: start another
-                    // after a second, longer each time it happens to a worker that ran briefly,
-                    // and read pg_database again before (the database may be gone).
-                    let ran_long = s.connected
-                        && Duration::from_micros((now() - s.started_at).max(0) as u64) > RAN_LONG;
-                    let n = match ran_long {
-                        true => 0,
-                        false => self.failing.get(&database).map_or(0, |(n, _)| *n),
-                    };
-                    let wait = Duration::from_secs(1 << n.min(6)).min(MAX_RETRY);
-                    self.failing
-                        .insert(database, (n + 1, Instant::now() + wait));
-                    self.scanned_at = None;
-                }
-                if s.hung() && self.databases.iter().any(|d| d.oid == database) {
-                    // Its successor in the same slot records what hung (see `Hung`).
-                    s.state = STARTING;
-                    s.outcome = 0;
-                    s.requested_at = now();
-                    relaunch.push((i, database));
-                } else {
-                    *s = Slot::default();
+                if !s.reaped {
+                    s.reaped = true;
+                    self.account(s);
                 }
                 if !handle.is_null() {
                     // SAFETY: a handle RegisterDynamicBackgroundWorker allocated for us.
                     unsafe { pg_sys::pfree(handle.cast()) };
                     self.handles[i] = std::ptr::null_mut();
+                }
+                if s.hung() && listed.contains(&database) {
+                    // Its successor in the same slot records what hung (see `Hung`); until then
+                    // the slot keeps the record.
+                    if self.waiting(database).is_none() {
+                        s.state = STARTING;
+                        s.outcome = 0;
+                        s.requested_at = now();
+                        relaunch.push((i, database));
+                    }
+                } else {
+                    *s = Slot::default();
                 }
             }
         }
@@ -253,17 +279,57 @@ impl Launcher {
         }
     }
 
+    /// What an exited worker tells the launcher: pg_outbox is not installed in its database, or
+    /// it ended (SIGTERM, DROP DATABASE, an error) or never got in: then another starts after a
+    /// second, longer each time it happens to a worker that ran briefly, and pg_database is read
+    /// again before (the database may be gone).
+    fn account(&mut self, s: &Slot) {
+        let database = s.database;
+        if s.outcome == OUTCOME_ABSENT {
+            self.absent.insert(database);
+            self.known.remove(&database);
+        } else if s.outcome == OUTCOME_NONE {
+            let ran_long = s.connected
+                && Duration::from_micros((now() - s.started_at).max(0) as u64) > RAN_LONG;
+            self.fail(database, ran_long);
+            self.scanned_at = None;
+        }
+    }
+
+    /// Starting a worker for `database` failed (or its worker ended soon): try again later.
+    fn fail(&mut self, database: u32, reset: bool) {
+        let n = match reset {
+            true => 0,
+            false => self.failing.get(&database).map_or(0, |(n, _)| *n),
+        };
+        let wait = Duration::from_secs(1 << n.min(6)).min(MAX_RETRY);
+        self.failing
+            .insert(database, (n + 1, Instant::now() + wait));
+    }
+
+    /// How long until workers may be started for `database` again (None: now).
+    fn waiting(&self, database: u32) -> Option<Duration> {
+        let (_, at) = self.failing.get(&database)?;
+        let left = at.saturating_duration_since(Instant::now());
+        (!left.is_zero()).then_some(left)
+    }
+
     /// What to start now, and when to look again (an elastic threshold not yet reached, a
-    /// retry).
-    fn plan(&self) -> (Vec<(Database, Why)>, Option<Duration>) {
+    /// retry). Each database where pg_outbox is known to be installed keeps its minimum before
+    /// any database gets an extra worker; at the cap, an extra worker of the busiest database is
+    /// asked to make room.
+    fn plan(&mut self) -> (Vec<(Database, Why)>, Option<Duration>) {
         let table: WorkerTable = *WORKERS.share();
+        for s in table.slots.iter().filter(|s| s.taken() && s.installed) {
+            self.known.insert(s.database);
+        }
         let max = settings::MAX_WORKERS.get().max(1) as usize;
         let min = settings::MIN_WORKERS.get().max(1) as usize;
         let mut taken = table.slots.iter().filter(|s| s.taken()).count();
         let mut probes = table
             .slots
             .iter()
-            .filter(|s| s.taken() && !s.installed)
+            .filter(|s| s.taken() && !s.installed && !self.known.contains(&s.database))
             .count();
         let mut wake_in: Option<Duration> = None;
         let mut soonest = |d: Duration| wake_in = Some(wake_in.map_or(d, |w: Duration| w.min(d)));
@@ -271,34 +337,37 @@ impl Launcher {
         let mut wanted = Vec::new();
         let mut extras = Vec::new();
         let mut deficit = 0;
+        let mut watching = false;
         for db in &self.databases {
             if self.absent.contains(&db.oid) {
                 continue;
-            }
-            if let Some((_, at)) = self.failing.get(&db.oid) {
-                let left = at.saturating_duration_since(Instant::now());
-                if !left.is_zero() {
-                    soonest(left);
-                    continue;
-                }
             }
             let mine: Vec<&Slot> = table
                 .slots
                 .iter()
                 .filter(|s| s.taken() && s.database == db.oid)
                 .collect();
-            let installed = mine.iter().any(|s| s.installed);
+            let known = self.known.contains(&db.oid) || mine.iter().any(|s| s.installed);
+            let short = min.saturating_sub(mine.len());
+            if known {
+                // Reserved, even while it waits to be tried again.
+                deficit += short;
+            }
+            if let Some(left) = self.waiting(db.oid) {
+                soonest(left);
+                continue;
+            }
             let starting = mine.iter().any(|s| s.state == STARTING);
             if mine.is_empty() {
-                wanted.push((db.clone(), Why::Probe));
-            } else if installed && mine.len() < min {
-                deficit += min - mine.len();
+                wanted.push((db.clone(), if known { Why::Minimum } else { Why::Probe }));
+            } else if known && short > 0 {
                 if !starting {
                     wanted.push((db.clone(), Why::Minimum));
                 }
-            } else if installed && !starting {
+            } else if known && !starting {
                 let running: Vec<&&Slot> = mine.iter().filter(|s| s.state == RUNNING).collect();
                 if !running.is_empty() && running.iter().all(|s| s.in_handler()) {
+                    watching = true;
                     let busy_for = running
                         .iter()
                         .map(|s| now_ts - s.handler.since)
@@ -312,14 +381,19 @@ impl Launcher {
                 }
             }
         }
+        WORKERS.exclusive().launcher_watching = watching;
         let mut starts = Vec::new();
+        let mut make_room = 0;
         for (db, why) in wanted {
             if taken >= max {
                 self.complain(&format!(
                     "database \"{}\" waits for a worker: pg_outbox.max_workers ({max}) are all running",
                     db.name
                 ));
-                break;
+                if why == Why::Minimum {
+                    make_room += 1;
+                }
+                continue;
             }
             if why == Why::Probe {
                 if probes >= PROBES_AT_ONCE {
@@ -340,6 +414,10 @@ impl Launcher {
             }
             taken += 1;
             starts.push((db, why));
+        }
+        if make_room > 0 {
+            ask_extras_to_leave(make_room, min);
+            soonest(Duration::from_millis(100));
         }
         (starts, wake_in)
     }
@@ -393,7 +471,17 @@ impl Launcher {
             }
             return;
         }
-        WORKERS.exclusive().slots[slot] = Slot::default();
+        {
+            let mut table = WORKERS.exclusive();
+            let s = &mut table.slots[slot];
+            if s.hung() {
+                // The record of what hung stays until a worker can take it over.
+                s.state = EXITED;
+                s.reaped = true;
+            } else {
+                *s = Slot::default();
+            }
+        }
         // SAFETY: reads a postmaster setting.
         let available = unsafe { pg_sys::max_worker_processes };
         self.complain(&format!(
@@ -403,14 +491,7 @@ impl Launcher {
             database.name,
             settings::MAX_WORKERS.get() + 1
         ));
-        let (n, _) = self
-            .failing
-            .get(&database.oid)
-            .copied()
-            .unwrap_or((0, Instant::now()));
-        let wait = Duration::from_secs(1 << n.min(6)).min(MAX_RETRY);
-        self.failing
-            .insert(database.oid, (n + 1, Instant::now() + wait));
+        self.fail(database.oid, false);
     }
 
     /// Logs a WARNING about capacity, once a minute at most.
@@ -497,4 +578,42 @@ fn scan_databases() -> Vec<Database> {
         }
         found
     })
+}
+
+/// Asks `n` extra workers (beyond `min` in their database) to exit at their next step, from the
+/// databases with the most workers: a database without its minimum waits at most for the
+/// handlers in flight.
+fn ask_extras_to_leave(n: usize, min: usize) {
+    let mut table = WORKERS.exclusive();
+    for _ in 0..n {
+        let mut count: HashMap<u32, usize> = HashMap::new();
+        for s in table
+            .slots
+            .iter()
+            .filter(|s| s.state == RUNNING && !s.retire)
+        {
+            *count.entry(s.database).or_default() += 1;
+        }
+        let Some((&busiest, &workers)) = count.iter().max_by_key(|(_, c)| **c) else {
+            return;
+        };
+        if workers <= min {
+            return;
+        }
+        // Prefer one that is not inside a handler: it leaves at once.
+        let pick = table
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.state == RUNNING && !s.retire && s.database == busiest)
+            .min_by_key(|(_, s)| s.in_handler())
+            .map(|(i, _)| i);
+        match pick {
+            Some(i) => {
+                table.slots[i].retire = true;
+                super::set_latch(&table.slots[i]);
+            }
+            None => return,
+        }
+    }
 }

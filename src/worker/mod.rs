@@ -97,6 +97,12 @@ pub struct Slot {
     installed: bool,
     /// The worker connected (set once; a worker that exits without it never got in).
     connected: bool,
+    /// An extra worker on its way out (`try_retire`): commits wake the others.
+    retiring: bool,
+    /// The launcher asks it to exit at its next step (another database needs the room).
+    retire: bool,
+    /// The launcher has counted its exit (see `launcher::Launcher::reap`).
+    reaped: bool,
     /// Whether its database has any sink or subscription, as the worker last saw it. Commits wake
     /// the workers only then: without them a round finds nothing, and a wake per commit would
     /// spend the CPU the writers need.
@@ -129,6 +135,9 @@ impl Default for Slot {
             outcome: OUTCOME_NONE,
             installed: false,
             connected: false,
+            retiring: false,
+            retire: false,
+            reaped: false,
             has_sinks: false,
             proc_ptr: 0,
             pid: 0,
@@ -156,7 +165,7 @@ impl Slot {
 
     /// A live worker of `database` whose latch can be set.
     fn serving(&self, database: u32) -> bool {
-        self.state == RUNNING && self.database == database && self.proc_ptr != 0
+        self.state == RUNNING && self.database == database && self.proc_ptr != 0 && !self.retiring
     }
 
     /// Inside a tenant's handler.
@@ -184,8 +193,10 @@ struct HttpLease {
     pid: i32,
 }
 
-/// HTTP requests in flight at once, cluster-wide.
-const HTTP_LEASES: usize = 256;
+/// HTTP requests in flight at once, cluster-wide, and of one database (so that one database's
+/// endpoints that never answer cannot hold every lease).
+const HTTP_LEASES: usize = 512;
+const HTTP_LEASES_PER_DATABASE: usize = 128;
 /// Jobs remembered as suspects (see `mark_suspects`), cluster-wide; the oldest are forgotten.
 const SUSPECTS: usize = 1024;
 
@@ -195,6 +206,9 @@ pub struct WorkerTable {
     /// The launcher's PGPROC (0: not running), so workers and backends can wake it.
     launcher_proc: usize,
     launcher_pid: i32,
+    /// The launcher times a database whose workers are all in handlers already: they need not
+    /// wake it at each handler call.
+    launcher_watching: bool,
     probe_requests: [u32; PROBE_REQUESTS],
     /// More databases asked than `probe_requests` holds: look at every database again.
     probe_all: bool,
@@ -210,6 +224,7 @@ impl Default for WorkerTable {
             slots: [Slot::default(); settings::WORKER_SLOTS],
             launcher_proc: 0,
             launcher_pid: 0,
+            launcher_watching: false,
             probe_requests: [0; PROBE_REQUESTS],
             probe_all: false,
             http_leases: [HttpLease::default(); HTTP_LEASES],
@@ -272,6 +287,14 @@ pub(crate) fn try_http_lease(key: i32) -> bool {
         .find(|l| l.database == database && l.key == key && live(l, &slots))
     {
         return held.pid == pid;
+    }
+    let mine = table
+        .http_leases
+        .iter()
+        .filter(|l| l.database == database && live(l, &slots))
+        .count();
+    if mine >= HTTP_LEASES_PER_DATABASE {
+        return false;
     }
     match table.http_leases.iter_mut().find(|l| !live(l, &slots)) {
         Some(free) => {
@@ -421,19 +444,51 @@ fn ask_to_leave(database: u32, why: &str) {
         .filter(|s| s.pid != 0 && s.database == database)
         .map(|s| s.pid)
         .collect();
-    for pid in pids {
+    for &pid in &pids {
         pgrx::log!("pg_outbox: asking worker (pid {pid}) to leave the database {why}");
         // SAFETY: signalling a server process of this cluster, as pg_terminate_backend does. A
         // worker inside a handler dies at the handler's next interrupt check (`on_sigterm`).
         unsafe { libc::kill(pid, libc::SIGTERM) };
     }
+    // Wait (5 s at most) until they are gone from the process array: DROP DATABASE WITH (FORCE)
+    // by the database's owner would otherwise find them there and refuse to end a superuser's
+    // process.
+    for _ in 0..500 {
+        // SAFETY: looks pids up in the process array (under its lock), as pg_stat_activity does.
+        if pids
+            .iter()
+            .all(|&pid| unsafe { pg_sys::BackendPidGetProc(pid) }.is_null())
+        {
+            break;
+        }
+        // SAFETY: a plain sleep, then the usual interrupt check (a cancel ends the wait).
+        unsafe { pg_sys::pg_usleep(10_000) };
+        pg_sys::check_for_interrupts!();
+    }
 }
 
 static mut PREV_PROCESS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
 
+unsafe extern "C-unwind" {
+    /// PostgreSQL's standard_ProcessUtility called directly: pgrx's binding catches every ERROR
+    /// of every utility statement and raises it again, which loses nothing important but adds a
+    /// Rust backtrace to its DETAIL when the server runs with RUST_BACKTRACE set.
+    #[link_name = "standard_ProcessUtility"]
+    fn standard_process_utility(
+        pstmt: *mut pg_sys::PlannedStmt,
+        query: *const std::ffi::c_char,
+        read_only_tree: bool,
+        context: pg_sys::ProcessUtilityContext::Type,
+        params: pg_sys::ParamListInfo,
+        env: *mut pg_sys::QueryEnvironment,
+        dest: *mut pg_sys::DestReceiver,
+        qc: *mut pg_sys::QueryCompletion,
+    );
+}
+
 /// CREATE DATABASE ... TEMPLATE a database with pg_outbox: its workers leave it first, or the copy
-/// would fail ("source database is being accessed by other users").
-#[pg_guard]
+/// would fail ("source database is being accessed by other users"). Not guarded by pgrx: it holds
+/// nothing that needs dropping, and the statement's own errors pass through it untouched.
 #[allow(clippy::too_many_arguments)]
 unsafe extern "C-unwind" fn on_process_utility(
     pstmt: *mut pg_sys::PlannedStmt,
@@ -445,34 +500,16 @@ unsafe extern "C-unwind" fn on_process_utility(
     dest: *mut pg_sys::DestReceiver,
     qc: *mut pg_sys::QueryCompletion,
 ) {
-    // SAFETY: PostgreSQL hands the hook a valid planned utility statement; the options of a
-    // CreatedbStmt are DefElems, read as createdb() reads them. Then the previous hook (or the
-    // standard one) runs with the same arguments.
+    // SAFETY: PostgreSQL hands the hook a valid planned utility statement; the previous hook (or
+    // the standard one) then runs with the same arguments.
     unsafe {
         let stmt = (*pstmt).utilityStmt;
         if !stmt.is_null() && (*stmt).type_ == pg_sys::NodeTag::T_CreatedbStmt {
-            let options = pgrx::PgList::<pg_sys::DefElem>::from_pg(
-                (*(stmt as *mut pg_sys::CreatedbStmt)).options,
-            );
-            for option in options.iter_ptr() {
-                let name = std::ffi::CStr::from_ptr((*option).defname);
-                if name.to_bytes() == b"template" && !(*option).arg.is_null() {
-                    let template = pg_sys::defGetString(option);
-                    let oid = pg_sys::get_database_oid(template, true);
-                    // Only for a role that may copy it (createdb() checks after this hook): or
-                    // any role could stall another database's delivery with a failing command.
-                    if oid != pg_sys::InvalidOid
-                        && (pg_sys::superuser()
-                            || pg_sys::pg_database_ownercheck(oid, pg_sys::GetUserId()))
-                    {
-                        ask_to_leave(oid.to_u32(), "used as the template of a new database");
-                    }
-                }
-            }
+            leave_template(stmt.cast());
         }
         match PREV_PROCESS_UTILITY_HOOK {
             Some(prev) => prev(pstmt, query, read_only_tree, context, params, env, dest, qc),
-            None => pg_sys::standard_ProcessUtility(
+            None => standard_process_utility(
                 pstmt,
                 query,
                 read_only_tree,
@@ -482,6 +519,46 @@ unsafe extern "C-unwind" fn on_process_utility(
                 dest,
                 qc,
             ),
+        }
+    }
+}
+
+/// Asks the workers of the template of `stmt` to leave, if the role may copy it (createdb()
+/// checks after this hook; without the check any role could stall another database's delivery
+/// with a failing command): a superuser, or the template's owner with CREATEDB.
+#[pg_guard]
+unsafe extern "C-unwind" fn leave_template(stmt: *mut pg_sys::CreatedbStmt) {
+    // SAFETY: the options of a CreatedbStmt are DefElems, read as createdb() reads them; the
+    // role's row is read from the syscache and released.
+    unsafe {
+        let options = pgrx::PgList::<pg_sys::DefElem>::from_pg((*stmt).options);
+        for option in options.iter_ptr() {
+            let name = std::ffi::CStr::from_ptr((*option).defname);
+            if name.to_bytes() != b"template" || (*option).arg.is_null() {
+                continue;
+            }
+            let oid = pg_sys::get_database_oid(pg_sys::defGetString(option), true);
+            if oid == pg_sys::InvalidOid {
+                continue;
+            }
+            let user = pg_sys::GetUserId();
+            let may_copy = pg_sys::superuser()
+                || (pg_sys::pg_database_ownercheck(oid, user) && {
+                    let tuple = pg_sys::SearchSysCache1(
+                        pg_sys::SysCacheIdentifier::AUTHOID as i32,
+                        pg_sys::Datum::from(user),
+                    );
+                    let createdb = !tuple.is_null()
+                        && (*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_authid>(tuple))
+                            .rolcreatedb;
+                    if !tuple.is_null() {
+                        pg_sys::ReleaseSysCache(tuple);
+                    }
+                    createdb
+                });
+            if may_copy {
+                ask_to_leave(oid.to_u32(), "used as the template of a new database");
+            }
         }
     }
 }
@@ -560,6 +637,12 @@ pub(crate) fn stop_requested() -> bool {
     STOP.load(Ordering::SeqCst)
 }
 
+/// Whether the launcher asked this worker to make room for another database's (it exits at its
+/// next step, after the handler in flight).
+pub(crate) fn retire_requested(slot: usize) -> bool {
+    WORKERS.share().slots.get(slot).is_some_and(|s| s.retire)
+}
+
 /// The slot of this worker process (usize::MAX in other processes).
 static MY_SLOT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
 
@@ -599,11 +682,12 @@ impl HandlerRunning {
             // to start another while the handlers keep them all.
             let database = my_database();
             let table = WORKERS.share();
-            if table
-                .slots
-                .iter()
-                .filter(|s| s.serving(database))
-                .all(|s| s.in_handler())
+            if !table.launcher_watching
+                && table
+                    .slots
+                    .iter()
+                    .filter(|s| s.serving(database))
+                    .all(|s| s.in_handler())
             {
                 wake_launcher(&table);
             }
@@ -901,7 +985,7 @@ pub(crate) fn try_retire(slot: usize) -> bool {
     }
     if let Some(s) = table.slots.get_mut(slot) {
         s.outcome = OUTCOME_RETIRED;
-        s.installed = false; // no longer counted by another idle worker deciding the same
+        s.retiring = true; // no longer counted (nor woken) by the others
     }
     true
 }
@@ -922,7 +1006,8 @@ pub(crate) fn saturated() -> Option<Vec<String>> {
         .collect();
     let taken = table.slots.iter().filter(|s| s.taken()).count();
     let full = taken >= settings::MAX_WORKERS.get().max(1) as usize;
-    (full && !mine.is_empty() && mine.iter().all(|s| s.in_handler())).then(|| {
+    // No worker at all here at the cap: everything behind waits for one.
+    (full && mine.iter().all(|s| s.in_handler())).then(|| {
         mine.iter()
             .map(|s| {
                 String::from_utf8_lossy(&s.handler.name[..s.handler.name_len as usize]).into_owned()

@@ -52,6 +52,8 @@ struct Worker {
     idle_since: Option<Instant>,
     /// pg_outbox was found installed in the database.
     installed: bool,
+    /// A restored log could not be adopted, and the worker said so.
+    lineage_warned: bool,
     /// This round did something (delivered, fanned out, ran jobs, fired schedules, sent requests).
     worked: bool,
     /// The state last warned about, so an idle worker says why once, not every poll.
@@ -139,6 +141,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         database,
         idle_since: None,
         installed: false,
+        lineage_warned: false,
         worked: false,
         warned: None,
         last_prune: None,
@@ -197,6 +200,9 @@ impl Worker {
     /// One round: every due sink once, pruning when due. Returns how long to sleep.
     fn step(&mut self) -> Duration {
         let poll = settings::ms(&settings::POLL_INTERVAL_MS);
+        // The worker lives long: a restore into its database must reach its next raise.
+        crate::lineage::forget();
+
         if !settings::ENABLED.get() {
             return poll;
         }
@@ -289,6 +295,15 @@ impl Worker {
             return poll;
         }
         self.warned = None;
+        // A restored log is adopted as soon as its dumped row is in (crate::lineage).
+        match in_transaction(crate::lineage::adopt_if_restored) {
+            Ok(()) => self.lineage_warned = false,
+            Err(e) if !self.lineage_warned => {
+                self.lineage_warned = true;
+                self.failed(&format!("adopting a restored log: {e}"));
+            }
+            Err(_) => {}
+        }
 
         let mut sleep = poll;
         let mut busy = false;
@@ -542,6 +557,14 @@ impl Worker {
 
     /// True once SIGTERM has arrived (and from then on).
     fn stopping(&mut self) -> bool {
+        if !self.stop && super::retire_requested(self.slot) {
+            pgrx::log!(
+                "pg_outbox worker {}: making room for another database's worker; exiting",
+                self.slot
+            );
+            super::slot_outcome(self.slot, super::OUTCOME_RETIRED);
+            self.stop = true;
+        }
         self.stop |= super::stop_requested();
         self.stop
     }

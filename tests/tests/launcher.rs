@@ -319,3 +319,104 @@ fn slow_handlers_get_workers_of_their_own_up_to_max_workers_and_idle_extras_leav
         );
     });
 }
+
+#[test]
+fn a_database_without_a_worker_gets_one_at_the_cap_when_another_keeps_extras_busy() {
+    with_cluster(
+        "pg_outbox_fair",
+        &["pg_outbox.max_workers = 3"],
+        |cluster| {
+            let mut admin = cluster.connect("postgres", "postgres");
+            for db in ["busy", "quiet"] {
+                admin
+                    .batch_execute(&format!("CREATE DATABASE {db}"))
+                    .unwrap();
+            }
+            // busy: three sinks whose handlers take 3 s a batch of one, with a long backlog: its
+            // workers stay inside handlers and it keeps the cap's three.
+            let mut c = cluster.connect("busy", "postgres");
+            c.batch_execute("CREATE EXTENSION pg_outbox").unwrap();
+            c.batch_execute(
+            "CREATE FUNCTION slow(events outbox.event[]) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(3) $$;
+             SELECT outbox.create_sink('s' || i, 'slow(outbox.event[])', batch_size => 1) FROM generate_series(1, 3) i;
+             SELECT outbox.raise('x.y') FROM generate_series(1, 50);",
+        )
+        .unwrap();
+            eventually("busy to take the cap", Duration::from_secs(20), || {
+                (workers_in(cluster, "busy").len() == 3).then_some(())
+            });
+            // quiet: installed now, at the cap. It waits for a worker, and gets one once a handler
+            // of busy returns (an extra of busy makes room).
+            let took = install_and_deliver(cluster, "quiet");
+            assert!(
+                took < Duration::from_secs(8),
+                "quiet waited {took:?} for a worker"
+            );
+            assert!(workers_in(cluster, "busy").len() <= 2);
+            // The minimum holds: busy keeps a worker.
+            assert!(!workers_in(cluster, "busy").is_empty());
+        },
+    );
+}
+
+#[test]
+fn a_database_owner_cannot_make_the_workers_run_as_itself() {
+    with_cluster("pg_outbox_owner_role", &[], |cluster| {
+        let mut admin = cluster.connect("postgres", "postgres");
+        admin.batch_execute("CREATE ROLE owner1 LOGIN").unwrap();
+        admin
+            .batch_execute("CREATE DATABASE owned OWNER owner1")
+            .unwrap();
+        let took = install_and_deliver(cluster, "owned");
+        assert!(took < Duration::from_secs(3), "delivery took {took:?}");
+        // What a database owner may set for every session of its database (a superuser's too),
+        // then the workers start again and connect with it.
+        let mut owner = cluster.connect("owned", "owner1");
+        owner
+            .batch_execute(
+                "ALTER DATABASE owned SET role = 'owner1';
+                 ALTER DATABASE owned SET session_authorization = 'owner1';",
+            )
+            .unwrap();
+        let before = workers_in(cluster, "owned");
+        admin
+            .batch_execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker'",
+            )
+            .unwrap();
+        eventually("a new worker in owned", Duration::from_secs(10), || {
+            let now = workers_in(cluster, "owned");
+            (!now.is_empty() && now.iter().all(|p| !before.contains(p))).then_some(())
+        });
+        // The event goes through the new worker: raised as postgres (the database's settings do
+        // would make this session owner1 too: take postgres back).
+        let mut c = cluster.connect("owned", "postgres");
+        c.batch_execute(
+            "SET SESSION AUTHORIZATION postgres; SET ROLE NONE; SELECT outbox.raise('x.y')",
+        )
+        .unwrap();
+        eventually(
+            "delivery by the new worker",
+            Duration::from_secs(10),
+            || (count(&mut c, "SELECT count(*) FROM got") == 2).then_some(()),
+        );
+        let who: Vec<String> = admin
+            .query(
+                "SELECT usename::text FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker'",
+                &[],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert!(!who.is_empty());
+        // pg_stat_activity shows the session's role as it was at connection: the worker took its
+        // own back at once. What counts is what its SQL runs as.
+        assert!(
+            !cluster
+                .log()
+                .contains("permission denied for schema outbox"),
+            "the workers' own SQL ran as the owner"
+        );
+    });
+}

@@ -46,6 +46,7 @@ UNION ALL SELECT 'dead_letters', md5(coalesce(string_agg(t::text, ',' ORDER BY t
 UNION ALL SELECT 'events', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.events t
 UNION ALL SELECT 'http_sinks', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.http_sinks t
 UNION ALL SELECT 'jobs', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.jobs t
+UNION ALL SELECT 'lineage', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.lineage t
 UNION ALL SELECT 'queue_grants', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.queue_grants t
 UNION ALL SELECT 'queues', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.queues t
 UNION ALL SELECT 'schedules', md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), '')) FROM outbox.schedules t

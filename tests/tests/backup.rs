@@ -75,6 +75,10 @@ const SETUP: &str = "
     SELECT outbox.create_sink('late', 'late(outbox.event[])', topics => '{order.*}');
     SELECT outbox.create_sink('picky', 'picky(outbox.event[])', topics => '{order.*}');
     SELECT outbox.pause_sink('late');
+    SELECT outbox.create_http_sink('hook', 'http://127.0.0.1:9/hooks', topics => '{report.*}',
+             headers => jsonb_build_object('Authorization', 'Bearer s3cr3t'),
+             secret => 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw');
+    SELECT outbox.pause_sink('hook');
     SELECT outbox.create_consumer('audit');
     SELECT outbox.subscribe('big', '{order.*}', queue => 'big', filter => 'payload.amount > 90');
     SELECT outbox.create_queue('mail');
@@ -132,6 +136,8 @@ fn a_database_dumped_mid_flight_and_restored_into_a_new_cluster_delivers_on_as_i
         "fsync = off",
         "pg_outbox.max_backoff = '1s'",
         "pg_outbox.poison_after = 2",
+        "pg_outbox.http_allow_plain = on",
+        "pg_outbox.http_allow_private = on",
     ];
     let old = Cluster::start_with("pg_outbox_dump_from", &settings);
     let new = Cluster::start_with("pg_outbox_dump_to", &settings);
@@ -190,6 +196,10 @@ fn mid_flight_dump_and_restore(old: &Cluster, new: &Cluster, dump: &Path) {
     let before = log(&mut c);
     assert_eq!(before.len(), 40);
     let books_before = ledger(&mut c, "books");
+    let hook_before: String = c
+        .query_one("SELECT row(h.*)::text FROM outbox.http_sinks h", &[])
+        .unwrap()
+        .get(0);
     let picky_before = ledger(&mut c, "picky");
     let jobs_before = count(&mut c, "SELECT count(*) FROM outbox.jobs");
     let max_job: i64 = c
@@ -339,6 +349,13 @@ fn mid_flight_dump_and_restore(old: &Cluster, new: &Cluster, dump: &Path) {
         count(&mut c, "SELECT count(*) FROM outbox.queue_privileges() WHERE queue = 'mail' AND owner::text = 'postgres'"),
         1
     );
+    // The HTTP sink with its credentials (the dump was a superuser's).
+    let hook_after: String = c
+        .query_one("SELECT row(h.*)::text FROM outbox.http_sinks h", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(hook_after, hook_before);
+    assert!(hook_after.contains("whsec_") && hook_after.contains("s3cr3t"));
     // One lineage: this cluster's, in a new epoch.
     assert_eq!(
         count(

@@ -288,7 +288,9 @@ impl Launcher {
         if s.outcome == OUTCOME_ABSENT {
             self.absent.insert(database);
             self.known.remove(&database);
-        } else if s.outcome == OUTCOME_NONE {
+        } else if s.outcome == OUTCOME_NONE && !s.hung() {
+            // (A worker ended inside a handler that would not stop is expected to end: its
+            // successor starts at once, to record it.)
             let ran_long = s.connected
                 && Duration::from_micros((now() - s.started_at).max(0) as u64) > RAN_LONG;
             self.fail(database, ran_long);

@@ -373,13 +373,14 @@ pub fn batch_key(sink: &str, event_ids: &[String]) -> String {
 pub enum Outcome {
     /// 2xx: delivered, move the cursor.
     Delivered,
-    /// 408, 429, 5xx, connect errors, timeouts: the endpoint is not taking anything now. Back off,
-    /// never bisect or dead-letter on these alone.
+    /// 408, 429, 5xx, connect errors, timeouts: the endpoint may not be taking anything now, or
+    /// may fail on one event. The failure policy treats it as any failure (the neighbour test
+    /// tells an outage from poison), waiting at least `retry_after` before the next request.
     Transient {
         retry_after: Option<Duration>,
         reason: String,
     },
-    /// Any other status (a 4xx, a redirect): the batch was refused; bisect as for a SQL error.
+    /// Any other status (a 4xx, a redirect): the batch was refused.
     Rejected { reason: String },
 }
 

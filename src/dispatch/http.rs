@@ -789,46 +789,65 @@ fn record(
         Outcome::Transient {
             retry_after,
             reason,
-        } => {
-            // The endpoint, not an event: back off on a counter of its own, never bisect or
-            // dead-letter on this alone. The same window goes again (same idempotency key).
-            let transient = sink.transient.saturating_add(1);
-            let delay = retry_after
-                .unwrap_or_default()
-                .max(policy.backoff(transient));
-            let down = transient >= policy.poison_after;
+        } => failed(sink, &window, last, reason, retry_after, agents),
+        Outcome::Rejected { reason } => failed(sink, &window, last, reason, None, agents),
+    }
+}
+
+/// Any failure, whatever it was (a refusal, a server error, a timeout, a refused connection): the
+/// failure policy of every sink. The batch is halved down to the lone event, which is retried with
+/// back-off and then tested against its neighbour: if the neighbour goes through, the lone event
+/// is poison and is dead-lettered; if it fails too, the endpoint is down and nothing is
+/// (an outage never loses an event). `wait`: the endpoint's `Retry-After`, honoured before the
+/// next request, the neighbour test included.
+fn failed(
+    sink: &Sink,
+    window: &Window,
+    last: Position,
+    reason: String,
+    wait: Option<Duration>,
+    agents: &mut Agents,
+) -> Result<Step, Failure> {
+    let policy = settings::policy(sink.max_batch);
+    let wait = wait.filter(|d| !d.is_zero());
+    match policy.after_failure(sink.state, window.count as u32) {
+        AfterFailure::Halve(state) => {
+            record_failure(sink, state, wait, false, &reason)?;
+            Ok(Step::Done(match wait {
+                Some(_) => PassResult::Failed,
+                None => PassResult::Retry,
+            }))
+        }
+        AfterFailure::Retry { state, delay } => {
+            let delay = delay.max(wait.unwrap_or_default());
             pgrx::warning!(
-                "pg_outbox: http sink \"{}\" could not deliver (attempt {transient}), retrying in {delay:?}: {reason}",
-                sink.id
+                "pg_outbox: http sink \"{}\" failed on event {last} (attempt {}), retrying in {delay:?}: {reason}",
+                sink.id,
+                state.attempts
             );
-            in_transaction(|| {
-                transient_failure(&sink.id, transient, window.count, delay, down, &reason)
-            })?;
+            record_failure(sink, state, Some(delay), false, &reason)?;
             Ok(Step::Done(PassResult::Failed))
         }
-        Outcome::Rejected { reason } => match policy.after_failure(sink.state, window.count as u32)
-        {
-            AfterFailure::Halve(state) => {
-                record_failure(sink, state, None, false, &reason)?;
-                Ok(Step::Done(PassResult::Retry))
-            }
-            AfterFailure::Retry { state, delay } => {
+        AfterFailure::TestNeighbour(state) => match wait {
+            // The endpoint asked for a pause: no request before it ends, the neighbour test's
+            // neither. The lone event goes first again when it does.
+            Some(wait) => {
                 pgrx::warning!(
-                    "pg_outbox: http sink \"{}\" refused event {last} (attempt {}), retrying in {delay:?}: {reason}",
+                    "pg_outbox: http sink \"{}\" failed on event {last} (attempt {}), retrying in {wait:?} as the endpoint asked: {reason}",
                     sink.id,
                     state.attempts
                 );
-                record_failure(sink, state, Some(delay), false, &reason)?;
+                record_failure(sink, state, Some(wait), false, &reason)?;
                 Ok(Step::Done(PassResult::Failed))
             }
-            AfterFailure::TestNeighbour(state) => neighbour_test(sink, state, last, reason, agents),
+            None => neighbour_test(sink, state, last, reason, agents),
         },
     }
 }
 
-/// The lone event at `lone` was refused `poison_after` times: post the next event this sink would
-/// get, alone, as a request of its own (the worker goes on meanwhile). Accepted: `lone` is
-/// poison. Refused too, or none yet: the sink is down.
+/// The lone event at `lone` failed `poison_after` times: post the next event this sink would get,
+/// alone, as a request of its own (the worker goes on meanwhile). Accepted: `lone` is poison.
+/// Failed too, or none yet: the sink is down.
 fn neighbour_test(
     sink: &Sink,
     state: SinkState,
@@ -837,7 +856,7 @@ fn neighbour_test(
     agents: &mut Agents,
 ) -> Result<Step, Failure> {
     pgrx::warning!(
-        "pg_outbox: http sink \"{}\" refused event {lone} (attempt {}), testing its neighbour: {reason}",
+        "pg_outbox: http sink \"{}\" failed on event {lone} (attempt {}), testing its neighbour: {reason}",
         sink.id,
         state.attempts
     );

@@ -1,6 +1,8 @@
 //! HTTP sinks against a real receiver on loopback: CloudEvents batches in order, signed so that
-//! the Standard Webhooks reference library accepts them; retries after 5xx; a refused event
-//! dead-lettered after the neighbour test; destinations refused; secrets kept out of sight.
+//! the Standard Webhooks reference library accepts them; the failure policy for every kind of
+//! failure (an event answered 4xx, 5xx or a timeout is dead-lettered after the neighbour test; an
+//! outage dead-letters nothing; Retry-After is honoured); destinations refused; secrets kept out
+//! of sight.
 
 use pg_outbox_tests::http_server::{Received, Receiver};
 use pg_outbox_tests::{eventually, sqlstate, worker_db, TestDb};
@@ -146,12 +148,18 @@ fn server_errors_are_retried_and_everything_arrives_once() {
     let events = wait_delivered(&rx, 30);
     assert_eq!(events.len(), 30);
     assert!(positions(&events).windows(2).all(|w| w[0] < w[1]));
-    // The retried batch carried the same idempotency key as the failed one.
+    // Each failure halved the batch; the first waited for its Retry-After.
     let r = rx.received();
-    assert_eq!(
-        r[0].headers["idempotency-key"],
-        r[1].headers["idempotency-key"]
-    );
+    let sizes: Vec<usize> = r
+        .iter()
+        .map(|q| {
+            serde_json::from_slice::<Vec<serde_json::Value>>(&q.body)
+                .unwrap()
+                .len()
+        })
+        .collect();
+    assert_eq!(sizes[..4], [30, 15, 7, 3]);
+    assert!(r[1].at.duration_since(r[0].at).unwrap() >= Duration::from_secs(1));
     let dead: i64 = c
         .query_one("SELECT count(*) FROM outbox.dead_letters", &[])
         .unwrap()
@@ -506,31 +514,163 @@ fn a_dead_letter_is_replayed_to_its_http_sink() {
 }
 
 #[test]
-fn an_outage_followed_by_one_refusal_dead_letters_nothing() {
-    let (_db, mut c) = setup("http_outage_then_422");
-    // Six server errors, one refusal, then all accepted: the refusal is the first failure that
-    // counts against the event, so it is retried, not dead-lettered.
-    let rx = Receiver::start(|_, n| match n {
-        0..=5 => (503, vec![]),
-        6 => (422, vec![]),
-        _ => (200, vec![]),
+fn an_event_answered_500_is_dead_lettered_after_the_neighbour_test_and_the_rest_arrive_in_order() {
+    let (_db, mut c) = setup("http_500_one");
+    let rx = Receiver::start(|q, _| {
+        let body = String::from_utf8_lossy(&q.body);
+        match body.contains("\"poison\": true") || body.contains("\"poison\":true") {
+            true => (500, vec![]),
+            false => (200, vec![]),
+        }
     });
     c.execute(
-        "SELECT outbox.create_http_sink('hook', $1, batch_size => 1)",
+        "SELECT outbox.create_http_sink('hook', $1, batch_size => 16)",
         &[&rx.url("/in")],
     )
     .unwrap();
     c.batch_execute(
-        "SELECT outbox.raise('t.x', '{\"i\": 1}'); SELECT outbox.raise('t.x', '{\"i\": 2}')",
+        "SELECT outbox.raise_many(ARRAY['t.x'], array_agg(CASE WHEN i = 9 THEN jsonb_build_object('i', i, 'poison', true)
+                                                              ELSE jsonb_build_object('i', i) END ORDER BY i))
+           FROM generate_series(1, 40) i",
     )
     .unwrap();
-    let events = wait_delivered(&rx, 2);
-    assert_eq!(events.len(), 2);
+    let events = wait_delivered(&rx, 39);
+    assert_eq!(events.len(), 39);
+    assert!(positions(&events).windows(2).all(|w| w[0] < w[1]));
+    let ids: Vec<i64> = events
+        .iter()
+        .map(|e| e["data"]["i"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ids, (1..=40).filter(|i| *i != 9).collect::<Vec<i64>>());
+    let dead = eventually("the dead letter", Duration::from_secs(30), || {
+        c.query_opt(
+            "SELECT (event).payload->>'i', error FROM outbox.dead_letters WHERE sink = 'hook'",
+            &[],
+        )
+        .unwrap()
+        .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+    });
+    assert_eq!(dead, ("9".to_string(), "HTTP 500".to_string()));
+}
+
+#[test]
+fn an_endpoint_answering_503_for_a_while_dead_letters_nothing_and_gets_everything_after() {
+    let (_db, mut c) = setup("http_503_outage");
+    let up = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = up.clone();
+    let rx = Receiver::start(
+        move |_, _| match flag.load(std::sync::atomic::Ordering::SeqCst) {
+            true => (200, vec![]),
+            false => (503, vec![]),
+        },
+    );
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1, batch_size => 8)",
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+    c.batch_execute(
+        "SELECT outbox.raise('t.x', jsonb_build_object('i', i)) FROM generate_series(1, 25) i",
+    )
+    .unwrap();
+    // Halved to the lone event, retried, its neighbour tested and refused too: down, not poison.
+    eventually("the sink down", Duration::from_secs(30), || {
+        let state: String = c
+            .query_one("SELECT state FROM outbox.status() WHERE name = 'hook'", &[])
+            .unwrap()
+            .get(0);
+        (state == "down").then_some(())
+    });
+    // The neighbour test was sent: a request holding the second event alone.
+    let lone_keys: Vec<String> = rx
+        .received()
+        .iter()
+        .filter(|q| {
+            serde_json::from_slice::<Vec<serde_json::Value>>(&q.body)
+                .unwrap()
+                .len()
+                == 1
+        })
+        .map(|q| q.headers["idempotency-key"].clone())
+        .collect();
+    assert!(lone_keys.len() >= 2);
+    // Retries of the lone event carry its idempotency key again.
+    assert!(lone_keys.windows(2).any(|w| w[0] == w[1]));
+    up.store(true, std::sync::atomic::Ordering::SeqCst);
+    let events = wait_delivered(&rx, 25);
+    assert_eq!(events.len(), 25);
+    assert!(positions(&events).windows(2).all(|w| w[0] < w[1]));
     let dead: i64 = c
         .query_one("SELECT count(*) FROM outbox.dead_letters", &[])
         .unwrap()
         .get(0);
-    assert_eq!(dead, 0);
+    assert_eq!(dead, 0, "an outage dead-letters nothing");
+}
+
+#[test]
+fn retry_after_is_honoured_before_the_next_request() {
+    let (_db, mut c) = setup("http_429");
+    let rx = Receiver::start(|_, n| match n {
+        0 => (429, vec![("retry-after".into(), "2".into())]),
+        _ => (200, vec![]),
+    });
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1)",
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+    c.batch_execute(
+        "SELECT outbox.raise('t.x', jsonb_build_object('i', i)) FROM generate_series(1, 10) i",
+    )
+    .unwrap();
+    let events = wait_delivered(&rx, 10);
+    assert_eq!(events.len(), 10);
+    let r = rx.received();
+    let waited = r[1].at.duration_since(r[0].at).unwrap();
+    assert!(
+        waited >= Duration::from_secs(2),
+        "the next request came after {waited:?}"
+    );
+}
+
+#[test]
+fn an_event_whose_request_times_out_is_dead_lettered_after_the_neighbour_test() {
+    let (_db, mut c) = setup("http_timeout_one");
+    let rx = Receiver::start(|q, _| {
+        let body = String::from_utf8_lossy(&q.body);
+        if body.contains("\"slow\": true") || body.contains("\"slow\":true") {
+            // Answered after the sink gave up; recorded apart from what was delivered.
+            std::thread::sleep(Duration::from_millis(1500));
+            return (599, vec![]);
+        }
+        (200, vec![])
+    });
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1, batch_size => 4, timeout_ms => 300)",
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+    c.batch_execute(
+        "SELECT outbox.raise('t.x', CASE WHEN i = 3 THEN jsonb_build_object('i', i, 'slow', true)
+                                         ELSE jsonb_build_object('i', i) END) FROM generate_series(1, 8) i",
+    )
+    .unwrap();
+    let dead = eventually("the dead letter", Duration::from_secs(60), || {
+        c.query_opt(
+            "SELECT (event).payload->>'i', error FROM outbox.dead_letters WHERE sink = 'hook'",
+            &[],
+        )
+        .unwrap()
+        .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+    });
+    assert_eq!(dead.0, "3");
+    // Every other event arrived once, in order.
+    let events = wait_delivered(&rx, 7);
+    let ids: Vec<i64> = events
+        .iter()
+        .map(|e| e["data"]["i"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ids, [1, 2, 4, 5, 6, 7, 8]);
 }
 
 #[test]

@@ -60,6 +60,13 @@ ALTER TABLE outbox.events ALTER COLUMN txid SET DEFAULT outbox._log_txid();
 -- Roles by name: a dump names them, a restore finds them by name in the new cluster.
 ALTER TABLE outbox.consumers ALTER COLUMN owner TYPE regrole;
 ALTER TABLE outbox.schedules ALTER COLUMN owner TYPE regrole;
+
+-- When a job died (NULL for jobs that died before 0.2.0 recorded it); dead_jobs shows it.
+ALTER TABLE outbox.jobs ADD COLUMN dead_at timestamptz;
+CREATE OR REPLACE VIEW outbox.dead_jobs AS
+    SELECT id, queue, payload, key, attempts, max_attempts, last_error, created_at, event, subscription,
+           dead_at
+      FROM outbox.jobs WHERE state = 'dead';
 CREATE UNIQUE INDEX jobs_waiting_event ON outbox.jobs (queue, subscription, event)
     WHERE subscription IS NOT NULL AND state = 'waiting';
 
@@ -496,7 +503,7 @@ BEGIN
          WHERE id = job;
         RETURN 'waiting';
     END IF;
-    UPDATE outbox.jobs SET state = 'dead', lease_until = NULL, last_error = error WHERE id = job;
+    UPDATE outbox.jobs SET state = 'dead', lease_until = NULL, last_error = error, dead_at = now() WHERE id = job;
     RETURN 'dead';
 END
 $$;
@@ -518,6 +525,8 @@ $$;
 
 CREATE FUNCTION outbox._replay_job(job bigint, who oid) RETURNS void
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    was outbox.jobs;
 BEGIN
     IF job IS NULL THEN
         RAISE EXCEPTION 'job must not be NULL' USING ERRCODE = 'null_value_not_allowed';
@@ -525,12 +534,54 @@ BEGIN
     IF NOT outbox._check_job(job, who) THEN
         RAISE EXCEPTION 'job % does not exist', job USING ERRCODE = 'undefined_object';
     END IF;
-    UPDATE outbox.jobs SET state = 'waiting', attempts = 0, run_at = now(), lease_until = NULL
-     WHERE id = job AND state = 'dead';
+    SELECT * INTO was FROM outbox.jobs j WHERE j.id = job AND j.state = 'dead' FOR UPDATE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'job % is not dead', job USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
-    RAISE LOG 'pg_outbox: job % replayed by role %', job, who::regrole;
+    UPDATE outbox.jobs SET state = 'waiting', attempts = 0, run_at = now(), lease_until = NULL,
+           dead_at = NULL
+     WHERE id = job;
+    RAISE LOG 'pg_outbox: job % of queue "%" replayed by role % after % attempts (dead since %)',
+        job, was.queue, who::regrole, was.attempts, coalesce(was.dead_at::text, 'before 0.2.0');
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._zoned_instant(wall timestamp, zone text) RETURNS timestamptz
+LANGUAGE plpgsql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    t     timestamptz := wall AT TIME ZONE zone;
+    shown timestamp   := t AT TIME ZONE zone;
+    back  interval;   -- how far a fall back put the clocks back
+    gap   bigint;
+    lo    bigint;  -- microseconds from t; the local time at lo is before wall, at hi not
+    hi    bigint;
+    mid   bigint;
+BEGIN
+    IF shown = wall THEN
+        back := ((t - interval '3 hours') AT TIME ZONE zone) - ((t - interval '3 hours') AT TIME ZONE 'UTC')
+                - ((t AT TIME ZONE zone) - (t AT TIME ZONE 'UTC'));
+        IF back > interval '0' AND ((t - back) AT TIME ZONE zone) = wall THEN
+            RETURN t - back;  -- the first of a repeated local time
+        END IF;
+        RETURN t;
+    END IF;
+    gap := abs(extract(epoch FROM shown - wall) * 1000000)::bigint;
+    IF shown > wall THEN
+        lo := -gap; hi := 0;  -- PostgreSQL's documented reading: t is past the gap's end
+    ELSE
+        lo := 0; hi := gap;   -- the other reading, should a release ever change it
+    END IF;
+    -- Whole microseconds below 2^53 times '1 microsecond': exact in float8 (a non-integral
+    -- factor would be truncated by interval * float8).
+    WHILE hi - lo > 1 LOOP
+        mid := lo + (hi - lo) / 2;
+        IF ((t + mid::float8 * interval '1 microsecond') AT TIME ZONE zone) >= wall THEN
+            hi := mid;
+        ELSE
+            lo := mid;
+        END IF;
+    END LOOP;
+    RETURN t + hi::float8 * interval '1 microsecond';
 END
 $$;
 

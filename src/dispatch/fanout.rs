@@ -169,7 +169,7 @@ const WINDOW_SQL: &str = "\
 /// job. Keys given to `enqueue` live apart (index `jobs_waiting_key`): they cannot hide an event.
 const INSERT_SQL: &str = "\
     INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler, max_attempts) \
-    SELECT m.queue, pg_catalog.to_jsonb(r), m.sub || ':' || r.id::text, r.id, m.sub, \
+    SELECT m.queue, pg_catalog.to_jsonb(r) OPERATOR(pg_catalog.-) 'n', m.sub || ':' || r.id::text, r.id, m.sub, \
            m.handler::pg_catalog.regprocedure, m.max_attempts \
       FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
            AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \

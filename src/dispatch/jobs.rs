@@ -243,6 +243,7 @@ fn record_failure(client: &mut SpiClient<'_>, subscription: &str, id: i64, failu
             // Back-off: 1 s doubling per attempt, capped at an hour (as outbox.fail()).
             "UPDATE outbox.jobs SET attempts = attempts + 1, last_error = $2, \
                     state = CASE WHEN $3 OR attempts + 1 >= max_attempts THEN 'dead' ELSE 'waiting' END, \
+                    dead_at = CASE WHEN $3 OR attempts + 1 >= max_attempts THEN pg_catalog.now() END, \
                     run_at = CASE WHEN $3 OR attempts + 1 >= max_attempts THEN run_at \
                                   ELSE pg_catalog.now() + least(interval '1 second' * pg_catalog.power(2, least(attempts, 20)), \
                                                                            interval '1 hour') END \

@@ -48,7 +48,9 @@ CREATE TABLE outbox.jobs (
     -- owner; outbox.claim() never hands it out.
     handler      regprocedure,
     -- The schedule whose run queued the job (its key is <schedule>@<instant>). NULL otherwise.
-    schedule     text
+    schedule     text,
+    -- When it died (NULL while it lives; a job that died before 0.2.0 recorded it has none).
+    dead_at      timestamptz
 )
 -- A queue churns: every finished job is a dead row. Vacuum after a fixed number of them rather
 -- than a fraction of a table that is small by design, so the space is reused and it stays small.
@@ -471,7 +473,7 @@ BEGIN
          WHERE id = job;
         RETURN 'waiting';
     END IF;
-    UPDATE outbox.jobs SET state = 'dead', lease_until = NULL, last_error = error WHERE id = job;
+    UPDATE outbox.jobs SET state = 'dead', lease_until = NULL, last_error = error, dead_at = now() WHERE id = job;
     RETURN 'dead';
 END
 $$;
@@ -493,6 +495,8 @@ $$;
 
 CREATE FUNCTION outbox._replay_job(job bigint, who oid) RETURNS void
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    was outbox.jobs;
 BEGIN
     IF job IS NULL THEN
         RAISE EXCEPTION 'job must not be NULL' USING ERRCODE = 'null_value_not_allowed';
@@ -500,15 +504,19 @@ BEGIN
     IF NOT outbox._check_job(job, who) THEN
         RAISE EXCEPTION 'job % does not exist', job USING ERRCODE = 'undefined_object';
     END IF;
-    UPDATE outbox.jobs SET state = 'waiting', attempts = 0, run_at = now(), lease_until = NULL
-     WHERE id = job AND state = 'dead';
+    SELECT * INTO was FROM outbox.jobs j WHERE j.id = job AND j.state = 'dead' FOR UPDATE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'job % is not dead', job USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
-    RAISE LOG 'pg_outbox: job % replayed by role %', job, who::regrole;
+    UPDATE outbox.jobs SET state = 'waiting', attempts = 0, run_at = now(), lease_until = NULL,
+           dead_at = NULL
+     WHERE id = job;
+    RAISE LOG 'pg_outbox: job % of queue "%" replayed by role % after % attempts (dead since %)',
+        job, was.queue, who::regrole, was.attempts, coalesce(was.dead_at::text, 'before 0.2.0');
 END
 $$;
 
 CREATE VIEW outbox.dead_jobs AS
-    SELECT id, queue, payload, key, attempts, max_attempts, last_error, created_at, event, subscription
+    SELECT id, queue, payload, key, attempts, max_attempts, last_error, created_at, event, subscription,
+           dead_at
       FROM outbox.jobs WHERE state = 'dead';

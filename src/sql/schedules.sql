@@ -61,14 +61,17 @@ COMMENT ON TABLE outbox.schedules IS
     'Schedules: every fixed interval, or daily/weekly at a local time in a zone; each run raises an event or queues a job.';
 
 -- The first instant whose local time in zone is at or after wall: the instant of wall itself
--- when that local time exists (once or twice), the end of the gap when a clock change skips it.
+-- when that local time exists (the first of the two when a clock change repeats it), the end of
+-- the gap when a clock change skips it.
 --
 -- How PostgreSQL reads a local time at a clock change (Appendix B.2 of its manual, and checked:
 -- see the tests): a skipped time (spring forward) with the offset in force before the change, so
 -- '2026-03-08 02:30' in America/New_York becomes 07:30 UTC, shown as 03:30 EDT: as far past the
 -- gap's end as 02:30 is past its start. A repeated time (fall back) with the offset after the
--- change: '2026-11-01 01:30' becomes 06:30 UTC, 01:30 EST, the later of the two. The repeated
--- case needs nothing more (one instant, once a day); for the skipped one we look for the gap's
+-- change: '2026-11-01 01:30' becomes 06:30 UTC, 01:30 EST, the later of the two; the run belongs
+-- at the first, 05:30 UTC (01:30 EDT), earlier by the change: the offset three hours before minus
+-- the offset at PostgreSQL's instant (no zone changes its offset twice in three hours). For
+-- the skipped one we look for the gap's
 -- end, the instant the clocks jumped: PostgreSQL's instant is on one side of it and that instant
 -- moved back by the gap's length on the other, and local time only rises in between, so a binary
 -- search to the microsecond finds it (32 steps for an hour's gap, and only on a gap day).
@@ -77,12 +80,18 @@ LANGUAGE plpgsql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     t     timestamptz := wall AT TIME ZONE zone;
     shown timestamp   := t AT TIME ZONE zone;
+    back  interval;   -- how far a fall back put the clocks back
     gap   bigint;
     lo    bigint;  -- microseconds from t; the local time at lo is before wall, at hi not
     hi    bigint;
     mid   bigint;
 BEGIN
     IF shown = wall THEN
+        back := ((t - interval '3 hours') AT TIME ZONE zone) - ((t - interval '3 hours') AT TIME ZONE 'UTC')
+                - ((t AT TIME ZONE zone) - (t AT TIME ZONE 'UTC'));
+        IF back > interval '0' AND ((t - back) AT TIME ZONE zone) = wall THEN
+            RETURN t - back;  -- the first of a repeated local time
+        END IF;
         RETURN t;
     END IF;
     gap := abs(extract(epoch FROM shown - wall) * 1000000)::bigint;
@@ -117,8 +126,9 @@ $$;
 -- `after`. The day previous ran for is its local date, or the day before when its local time is
 -- earlier than daily_at: a gap that ends past midnight moved it to the next date (Pacific/Apia
 -- skipped 2011-12-30; a run that day happened at 2011-12-31 00:00), and that next date still has
--- its own run. Never firing twice for one date is what makes a repeated local time run once even
--- if the instant computed for a date ever changes (a tz database update).
+-- its own run. A repeated local time runs once, at its first occurrence (_zoned_instant); never
+-- firing twice for one date keeps it once even if the instant computed for a date ever changes
+-- (a tz database update).
 CREATE FUNCTION outbox._next_run(every interval, daily_at time, zone text, weekly_on smallint,
                                  after timestamptz, previous timestamptz)
 RETURNS timestamptz

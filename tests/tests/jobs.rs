@@ -220,11 +220,19 @@ fn failures_retry_with_back_off_then_die_and_replay() {
         .unwrap()
         .get(0);
     assert_eq!(s, "dead", "out of attempts");
-    let dead: (i64, String) = c
-        .query_one("SELECT id, last_error FROM outbox.dead_jobs", &[])
-        .map(|r| (r.get(0), r.get(1)))
+    let dead: (i64, String, bool) = c
+        .query_one(
+            "SELECT id, last_error, dead_at BETWEEN now() - interval '10 seconds' AND clock_timestamp() \
+               FROM outbox.dead_jobs",
+            &[],
+        )
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
         .unwrap();
-    assert_eq!(dead, (j, "smtp timeout again".to_string()));
+    assert_eq!(
+        dead,
+        (j, "smtp timeout again".to_string(), true),
+        "when it died, and why"
+    );
     assert!(
         c.query("SELECT * FROM outbox.claim('q')", &[])
             .unwrap()
@@ -245,8 +253,13 @@ fn failures_retry_with_back_off_then_die_and_replay() {
         .unwrap()
         .get(0);
     assert_eq!(s, "dead");
-    // Replay: attempts reset, claimable again; a job that is not dead is refused.
+    // Replay: attempts reset, claimable again, logged with its queue and attempts; a job that is
+    // not dead is refused.
     c.execute("SELECT outbox.replay_job($1)", &[&j]).unwrap();
+    let line = format!("job {j} of queue \"q\" replayed by role postgres after 2 attempts");
+    eventually("the replay's log line", Duration::from_secs(5), || {
+        db.cluster().log().contains(&line).then_some(())
+    });
     let r = c
         .query_one("SELECT id, attempts FROM outbox.claim('q')", &[])
         .unwrap();

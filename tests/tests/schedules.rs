@@ -188,16 +188,21 @@ fn the_next_run_follows_the_zones_clocks_whatever_the_session_time_zone() {
             "2026-03-09 06:30:00",
         ),
         // It falls back on 2026-11-01: 01:00-02:00 happens twice, EDT (05:00-06:00 UTC) then EST
-        // (06:00-07:00 UTC). The run is the later 01:30, once.
+        // (06:00-07:00 UTC). The run is the first 01:30, once.
         (
-            "01:30 on the fall-back day runs at 01:30 EST",
+            "01:30 on the fall-back day runs at the first 01:30, EDT",
             "NULL, '01:30', 'America/New_York', NULL, '2026-10-31 12:00Z', NULL",
-            "2026-11-01 06:30:00",
+            "2026-11-01 05:30:00",
         ),
         (
-            "after the first 01:30 (EDT) has passed, the second one still runs",
+            "after the first 01:30 (EDT) has passed, the second one does not run: the next day",
             "NULL, '01:30', 'America/New_York', NULL, '2026-11-01 05:45Z', NULL",
-            "2026-11-01 06:30:00",
+            "2026-11-02 06:30:00",
+        ),
+        (
+            "weekly on Sunday 01:30 from a Wednesday: the first 01:30 of the fall-back Sunday",
+            "NULL, '01:30', 'America/New_York', 0::smallint, '2026-10-28 12:00Z', NULL",
+            "2026-11-01 05:30:00",
         ),
         (
             "fired at 01:30 EST, the next is the next day",
@@ -216,9 +221,41 @@ fn the_next_run_follows_the_zones_clocks_whatever_the_session_time_zone() {
             "2026-03-29 01:00:00",
         ),
         (
-            "Berlin 02:30 on its fall-back day: 02:30 CET, the later",
+            "Berlin 02:30 on its fall-back day: 02:30 CEST, the first",
             "NULL, '02:30', 'Europe/Berlin', NULL, '2026-10-24 12:00Z', NULL",
-            "2026-10-25 01:30:00",
+            "2026-10-25 00:30:00",
+        ),
+        (
+            "Berlin, fired at the first 02:30: the next is the next day's 02:30 CET",
+            "NULL, '02:30', 'Europe/Berlin', NULL, '2026-10-25 00:30Z', '2026-10-25 00:30Z'",
+            "2026-10-26 01:30:00",
+        ),
+        (
+            "Berlin weekly on Sunday 02:30: the first 02:30 of the fall-back Sunday",
+            "NULL, '02:30', 'Europe/Berlin', 0::smallint, '2026-10-21 12:00Z', NULL",
+            "2026-10-25 00:30:00",
+        ),
+        // Australia/Sydney (southern hemisphere): 2026-04-05 03:00 AEDT -> 02:00 AEST (fall back,
+        // in April); 2026-10-04 02:00 AEST -> 03:00 AEDT (spring forward, in October).
+        (
+            "Sydney 02:30 on its fall-back day: 02:30 AEDT, the first",
+            "NULL, '02:30', 'Australia/Sydney', NULL, '2026-04-04 00:00Z', NULL",
+            "2026-04-04 15:30:00",
+        ),
+        (
+            "Sydney, fired at the first 02:30: the next is the next day's 02:30 AEST",
+            "NULL, '02:30', 'Australia/Sydney', NULL, '2026-04-04 15:30Z', '2026-04-04 15:30Z'",
+            "2026-04-05 16:30:00",
+        ),
+        (
+            "Sydney weekly on Sunday 02:30 from a Wednesday: the first 02:30 of the fall-back Sunday",
+            "NULL, '02:30', 'Australia/Sydney', 0::smallint, '2026-04-01 00:00Z', NULL",
+            "2026-04-04 15:30:00",
+        ),
+        (
+            "Sydney 02:30 on its spring-forward day: 03:00 AEDT",
+            "NULL, '02:30', 'Australia/Sydney', NULL, '2026-10-03 00:00Z', NULL",
+            "2026-10-03 16:00:00",
         ),
         // Lord Howe Island moves by 30 minutes: 2026-10-04 02:00 (+10:30) -> 02:30 (+11).
         (
@@ -285,18 +322,18 @@ fn the_next_run_follows_the_zones_clocks_whatever_the_session_time_zone() {
             );
         }
     }
-    // The local times of those runs, for the record: the gap's end and the later 01:30.
+    // The local times of those runs, for the record: the gap's end and the first 01:30 (EDT).
     assert_eq!(
         c.query_one(
             "SELECT to_char(outbox._next_run(NULL, '02:30', 'America/New_York', NULL, '2026-03-07 12:00Z', NULL)
                             AT TIME ZONE 'America/New_York', 'YYYY-MM-DD HH24:MI'),
                     to_char(outbox._next_run(NULL, '01:30', 'America/New_York', NULL, '2026-10-31 12:00Z', NULL)
-                            AT TIME ZONE 'America/New_York', 'YYYY-MM-DD HH24:MI')",
+                            AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI')",
             &[],
         )
         .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
         .unwrap(),
-        ("2026-03-08 03:00".to_string(), "2026-11-01 01:30".to_string())
+        ("2026-03-08 03:00".to_string(), "2026-11-01 05:30".to_string())
     );
     // The gap's end to the microsecond: the instant before it is still 01:59:59.999999 EST.
     assert_eq!(

@@ -374,6 +374,38 @@ fn a_data_error_kills_a_job_at_once_and_a_replay_runs_it() {
             &[&id],
         )
         .unwrap();
+    // The payload is exactly the documented event, and the job says when it died.
+    let keys: Vec<String> = c
+        .query(
+            "SELECT k FROM outbox.dead_jobs, jsonb_object_keys(payload) k WHERE id = $1 ORDER BY k",
+            &[&id],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "headers",
+            "id",
+            "payload",
+            "position",
+            "raised_at",
+            "subject",
+            "tenant",
+            "topic"
+        ]
+    );
+    assert_eq!(
+        count(
+            &mut c,
+            &format!(
+                "SELECT count(*) FROM outbox.dead_jobs WHERE id = {id} AND dead_at IS NOT NULL"
+            )
+        ),
+        1
+    );
     assert_eq!(
         row.get::<_, i32>(0),
         1,

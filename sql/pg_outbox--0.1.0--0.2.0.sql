@@ -546,6 +546,19 @@ BEGIN
 END
 $$;
 
+CREATE OR REPLACE FUNCTION outbox._cloudevent(e outbox.event) RETURNS jsonb
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT jsonb_build_object('specversion', '1.0', 'id', e.id, 'source', '/pg_outbox/' || regexp_replace(current_database(), '[^A-Za-z0-9._~-]', '_', 'g'),
+                              'type', e.topic, 'time', e.raised_at, 'datacontenttype', 'application/json',
+                              'data', e.payload, 'position', e.position)
+           || CASE WHEN e.subject IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('subject', e.subject) END
+           || CASE WHEN e.tenant IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('tenant', e.tenant) END
+           || CASE WHEN jsonb_typeof(e.headers -> 'traceparent') = 'string'
+                   THEN jsonb_build_object('traceparent', e.headers -> 'traceparent') ELSE '{}'::jsonb END
+           || CASE WHEN jsonb_typeof(e.headers -> 'tracestate') = 'string'
+                   THEN jsonb_build_object('tracestate', e.headers -> 'tracestate') ELSE '{}'::jsonb END
+$$;
+
 CREATE OR REPLACE FUNCTION outbox._zoned_instant(wall timestamp, zone text) RETURNS timestamptz
 LANGUAGE plpgsql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
 DECLARE

@@ -43,7 +43,9 @@ CREATE TABLE outbox.http_sinks (
 );
 
 -- One event as an HTTP sink sends it: a CloudEvents 1.0 JSON object. Optional attributes that
--- are NULL are left out (CloudEvents' rule); position and tenant are extension attributes.
+-- are NULL are left out (CloudEvents' rule); position and tenant are extension attributes, and
+-- the event's traceparent and tracestate headers (strings) become the attributes of the
+-- CloudEvents distributed tracing extension.
 CREATE FUNCTION outbox._cloudevent(e outbox.event) RETURNS jsonb
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT jsonb_build_object('specversion', '1.0', 'id', e.id, 'source', '/pg_outbox/' || regexp_replace(current_database(), '[^A-Za-z0-9._~-]', '_', 'g'),
@@ -51,6 +53,10 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                               'data', e.payload, 'position', e.position)
            || CASE WHEN e.subject IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('subject', e.subject) END
            || CASE WHEN e.tenant IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('tenant', e.tenant) END
+           || CASE WHEN jsonb_typeof(e.headers -> 'traceparent') = 'string'
+                   THEN jsonb_build_object('traceparent', e.headers -> 'traceparent') ELSE '{}'::jsonb END
+           || CASE WHEN jsonb_typeof(e.headers -> 'tracestate') = 'string'
+                   THEN jsonb_build_object('tracestate', e.headers -> 'tracestate') ELSE '{}'::jsonb END
 $$;
 
 -- Events a sink could never accept, kept for inspection and replay.

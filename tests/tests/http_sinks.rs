@@ -753,3 +753,35 @@ fn the_host_allowlist_is_enforced_at_creation_and_at_delivery() {
     );
     assert!(rx.received().is_empty());
 }
+
+#[test]
+fn trace_context_headers_become_the_cloudevents_tracing_attributes() {
+    let (_db, mut c) = setup("http_trace");
+    let rx = Receiver::start(|_, _| (200, vec![]));
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1)",
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+    c.batch_execute(
+        "SELECT outbox.raise('t.x', '{\"i\": 1}', headers => jsonb_build_object(
+             'traceparent', '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01',
+             'tracestate', 'congo=t61rcWkgMzE', 'other', 'kept out'));
+         SELECT outbox.raise('t.x', '{\"i\": 2}');
+         SELECT outbox.raise('t.x', '{\"i\": 3}', headers => '{\"traceparent\": 42}');",
+    )
+    .unwrap();
+    let events = wait_delivered(&rx, 3);
+    assert_eq!(
+        events[0]["traceparent"],
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    );
+    assert_eq!(events[0]["tracestate"], "congo=t61rcWkgMzE");
+    assert!(events[0].get("other").is_none());
+    for e in &events[1..] {
+        assert!(
+            e.get("traceparent").is_none() && e.get("tracestate").is_none(),
+            "{e}"
+        );
+    }
+}

@@ -64,6 +64,40 @@ fn positions(events: &[serde_json::Value]) -> Vec<(u64, i64)> {
         .collect()
 }
 
+/// Dead letters of every sink of the test's database.
+fn dead_letters(c: &mut postgres::Client) -> i64 {
+    c.query_one("SELECT count(*) FROM outbox.dead_letters", &[])
+        .unwrap()
+        .get(0)
+}
+
+/// Whether a request's body holds an event whose payload has `"<flag>": true`.
+fn flagged(q: &Received, flag: &str) -> bool {
+    let body = String::from_utf8_lossy(&q.body);
+    body.contains(&format!("\"{flag}\": true")) || body.contains(&format!("\"{flag}\":true"))
+}
+
+/// Creates HTTP sink `hook` posting to `rx` (`extra`: more arguments of create_http_sink).
+fn hook(c: &mut postgres::Client, rx: &Receiver, extra: &str) {
+    c.execute(
+        &format!("SELECT outbox.create_http_sink('hook', $1{extra})"),
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+}
+
+/// The dead letter of sink `hook`: its event's `i` and the error.
+fn the_dead_letter(c: &mut postgres::Client) -> (String, String) {
+    eventually("the dead letter", Duration::from_secs(60), || {
+        c.query_opt(
+            "SELECT (event).payload->>'i', error FROM outbox.dead_letters WHERE sink = 'hook'",
+            &[],
+        )
+        .unwrap()
+        .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+    })
+}
+
 fn verify(q: &Received) {
     let mut headers = http::HeaderMap::new();
     for (k, v) in &q.headers {
@@ -136,11 +170,7 @@ fn server_errors_are_retried_and_everything_arrives_once() {
         1 | 2 => (503, vec![]),
         _ => (200, vec![]),
     });
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1)",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
+    hook(&mut c, &rx, "");
     c.batch_execute(
         "SELECT outbox.raise('t.x', jsonb_build_object('i', i)) FROM generate_series(1, 30) i",
     )
@@ -160,29 +190,17 @@ fn server_errors_are_retried_and_everything_arrives_once() {
         .collect();
     assert_eq!(sizes[..4], [30, 15, 7, 3]);
     assert!(r[1].at.duration_since(r[0].at).unwrap() >= Duration::from_secs(1));
-    let dead: i64 = c
-        .query_one("SELECT count(*) FROM outbox.dead_letters", &[])
-        .unwrap()
-        .get(0);
-    assert_eq!(dead, 0, "server errors never dead-letter");
+    assert_eq!(dead_letters(&mut c), 0, "server errors never dead-letter");
 }
 
 #[test]
 fn an_event_the_endpoint_refuses_is_dead_lettered_after_the_neighbour_test() {
     let (_db, mut c) = setup("http_422");
-    let rx = Receiver::start(|q, _| {
-        let body = String::from_utf8_lossy(&q.body);
-        if body.contains("\"poison\": true") || body.contains("\"poison\":true") {
-            (422, vec![])
-        } else {
-            (200, vec![])
-        }
+    let rx = Receiver::start(|q, _| match flagged(q, "poison") {
+        true => (422, vec![]),
+        false => (200, vec![]),
     });
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1, batch_size => 16)",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
+    hook(&mut c, &rx, ", batch_size => 16");
     c.batch_execute(
         "SELECT outbox.raise_many(ARRAY['t.x'], array_agg(CASE WHEN i = 9 THEN jsonb_build_object('i', i, 'poison', true)
                                                               ELSE jsonb_build_object('i', i) END ORDER BY i))
@@ -409,11 +427,7 @@ fn an_endpoint_down_for_a_while_loses_nothing() {
     let events = wait_delivered(&rx, 25);
     assert_eq!(events.len(), 25);
     assert!(positions(&events).windows(2).all(|w| w[0] < w[1]));
-    let dead: i64 = c
-        .query_one("SELECT count(*) FROM outbox.dead_letters", &[])
-        .unwrap()
-        .get(0);
-    assert_eq!(dead, 0);
+    assert_eq!(dead_letters(&mut c), 0);
 }
 
 #[test]
@@ -426,11 +440,7 @@ fn a_server_crash_mid_request_redelivers_the_batch() {
         }
         (200, vec![])
     });
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1)",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
+    hook(&mut c, &rx, "");
     c.batch_execute(
         "SELECT outbox.raise('t.x', jsonb_build_object('i', i)) FROM generate_series(1, 10) i",
     )
@@ -478,11 +488,7 @@ fn a_dead_letter_is_replayed_to_its_http_sink() {
             (200, vec![])
         }
     });
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1)",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
+    hook(&mut c, &rx, "");
     c.batch_execute("SELECT outbox.raise('t.x', '{\"poison\": true}'); SELECT outbox.raise('t.x', '{\"ok\": 1}')").unwrap();
     eventually("the dead letter", Duration::from_secs(30), || {
         let n: i64 = c
@@ -516,18 +522,11 @@ fn a_dead_letter_is_replayed_to_its_http_sink() {
 #[test]
 fn an_event_answered_500_is_dead_lettered_after_the_neighbour_test_and_the_rest_arrive_in_order() {
     let (_db, mut c) = setup("http_500_one");
-    let rx = Receiver::start(|q, _| {
-        let body = String::from_utf8_lossy(&q.body);
-        match body.contains("\"poison\": true") || body.contains("\"poison\":true") {
-            true => (500, vec![]),
-            false => (200, vec![]),
-        }
+    let rx = Receiver::start(|q, _| match flagged(q, "poison") {
+        true => (500, vec![]),
+        false => (200, vec![]),
     });
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1, batch_size => 16)",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
+    hook(&mut c, &rx, ", batch_size => 16");
     c.batch_execute(
         "SELECT outbox.raise_many(ARRAY['t.x'], array_agg(CASE WHEN i = 9 THEN jsonb_build_object('i', i, 'poison', true)
                                                               ELSE jsonb_build_object('i', i) END ORDER BY i))
@@ -542,15 +541,10 @@ fn an_event_answered_500_is_dead_lettered_after_the_neighbour_test_and_the_rest_
         .map(|e| e["data"]["i"].as_i64().unwrap())
         .collect();
     assert_eq!(ids, (1..=40).filter(|i| *i != 9).collect::<Vec<i64>>());
-    let dead = eventually("the dead letter", Duration::from_secs(30), || {
-        c.query_opt(
-            "SELECT (event).payload->>'i', error FROM outbox.dead_letters WHERE sink = 'hook'",
-            &[],
-        )
-        .unwrap()
-        .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
-    });
-    assert_eq!(dead, ("9".to_string(), "HTTP 500".to_string()));
+    assert_eq!(
+        the_dead_letter(&mut c),
+        ("9".to_string(), "HTTP 500".to_string())
+    );
 }
 
 #[test]
@@ -564,11 +558,7 @@ fn an_endpoint_answering_503_for_a_while_dead_letters_nothing_and_gets_everythin
             false => (503, vec![]),
         },
     );
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1, batch_size => 8)",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
+    hook(&mut c, &rx, ", batch_size => 8");
     c.batch_execute(
         "SELECT outbox.raise('t.x', jsonb_build_object('i', i)) FROM generate_series(1, 25) i",
     )
@@ -600,11 +590,7 @@ fn an_endpoint_answering_503_for_a_while_dead_letters_nothing_and_gets_everythin
     let events = wait_delivered(&rx, 25);
     assert_eq!(events.len(), 25);
     assert!(positions(&events).windows(2).all(|w| w[0] < w[1]));
-    let dead: i64 = c
-        .query_one("SELECT count(*) FROM outbox.dead_letters", &[])
-        .unwrap()
-        .get(0);
-    assert_eq!(dead, 0, "an outage dead-letters nothing");
+    assert_eq!(dead_letters(&mut c), 0, "an outage dead-letters nothing");
 }
 
 #[test]
@@ -614,11 +600,7 @@ fn retry_after_is_honoured_before_the_next_request() {
         0 => (429, vec![("retry-after".into(), "2".into())]),
         _ => (200, vec![]),
     });
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1)",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
+    hook(&mut c, &rx, "");
     c.batch_execute(
         "SELECT outbox.raise('t.x', jsonb_build_object('i', i)) FROM generate_series(1, 10) i",
     )
@@ -637,33 +619,20 @@ fn retry_after_is_honoured_before_the_next_request() {
 fn an_event_whose_request_times_out_is_dead_lettered_after_the_neighbour_test() {
     let (_db, mut c) = setup("http_timeout_one");
     let rx = Receiver::start(|q, _| {
-        let body = String::from_utf8_lossy(&q.body);
-        if body.contains("\"slow\": true") || body.contains("\"slow\":true") {
+        if flagged(q, "slow") {
             // Answered after the sink gave up; recorded apart from what was delivered.
             std::thread::sleep(Duration::from_millis(1500));
             return (599, vec![]);
         }
         (200, vec![])
     });
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1, batch_size => 4, timeout_ms => 300)",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
+    hook(&mut c, &rx, ", batch_size => 4, timeout_ms => 300");
     c.batch_execute(
         "SELECT outbox.raise('t.x', CASE WHEN i = 3 THEN jsonb_build_object('i', i, 'slow', true)
                                          ELSE jsonb_build_object('i', i) END) FROM generate_series(1, 8) i",
     )
     .unwrap();
-    let dead = eventually("the dead letter", Duration::from_secs(60), || {
-        c.query_opt(
-            "SELECT (event).payload->>'i', error FROM outbox.dead_letters WHERE sink = 'hook'",
-            &[],
-        )
-        .unwrap()
-        .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
-    });
-    assert_eq!(dead.0, "3");
+    assert_eq!(the_dead_letter(&mut c).0, "3");
     // Every other event arrived once, in order.
     let events = wait_delivered(&rx, 7);
     let ids: Vec<i64> = events
@@ -718,11 +687,7 @@ fn the_host_allowlist_is_enforced_at_creation_and_at_delivery() {
     }
     let _reset = Reset(&db);
     let rx = Receiver::start(|_, _| (200, vec![]));
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1)",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
+    hook(&mut c, &rx, "");
     db.cluster().set(
         "pg_outbox.http_allowed_hosts",
         "hooks.example.com, *.corp.example",
@@ -758,11 +723,7 @@ fn the_host_allowlist_is_enforced_at_creation_and_at_delivery() {
 fn trace_context_headers_become_the_cloudevents_tracing_attributes() {
     let (_db, mut c) = setup("http_trace");
     let rx = Receiver::start(|_, _| (200, vec![]));
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1)",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
+    hook(&mut c, &rx, "");
     c.batch_execute(
         "SELECT outbox.raise('t.x', '{\"i\": 1}', headers => jsonb_build_object(
              'traceparent', '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01',

@@ -1022,6 +1022,20 @@ STRICT STABLE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'metrics_wrapper';
 
+CREATE FUNCTION outbox."set_schedule"(
+	"name" TEXT,
+	"every" interval DEFAULT NULL,
+	"daily_at" time DEFAULT NULL,
+	"zone" TEXT DEFAULT NULL,
+	"weekly_on" TEXT DEFAULT NULL,
+	"topic" TEXT DEFAULT NULL,
+	"queue" TEXT DEFAULT NULL,
+	"payload" jsonb DEFAULT '{}'
+) RETURNS timestamp with time zone
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'set_schedule_wrapper';
+
 -- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install), named one by one:
 -- a REVOKE on every function would record the grants users made on the others as the
 -- extension's own initial privileges (pg_dump would then leave them out), and default
@@ -1038,7 +1052,8 @@ BEGIN
                     '_revoke_queue', 'queue_privileges', '_enqueue', '_claim', '_complete_many',
                     '_check_job', '_fail', '_extend', '_replay_job', '_status', '_queue_status',
                     'create_queue', 'drop_queue', 'grant_queue', 'revoke_queue',
-                    '_start_delivery', 'metrics', '_log_txid', '_log_horizon']) LOOP
+                    '_start_delivery', 'metrics', '_log_txid', '_log_horizon',
+                    'set_schedule']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

@@ -11,9 +11,9 @@
 --   next slot of the grid.
 -- * daily_at + zone (+ weekly_on): the zone's local clock, as the tz database has it. A local time
 --   a spring-forward skips runs at the instant the gap ends (02:30 in New York on the
---   spring-forward day runs at 03:00 EDT). A local time a fall-back repeats runs once: at the
---   instant PostgreSQL reads it as, the later of the two (01:30 EST, not 01:30 EDT), and never
---   again that day. Missed runs fire once, late, then the next regular time.
+--   spring-forward day runs at 03:00 EDT). A local time a fall-back repeats runs once: at its
+--   first occurrence (01:30 EDT, not 01:30 EST), and never again that day. Missed runs fire
+--   once, late, then the next regular time.
 -- * Nothing depends on the session's TimeZone: the workers run with the server's, tests and
 --   users with their own. Local times are only computed with AT TIME ZONE and an explicit zone,
 --   and instants only move by intervals with no days part (timestamptz + '1 day' adds a

@@ -832,6 +832,13 @@ SELECT outbox.schedule('.sch', every => '1 hour', topic => 'system.tick');
 SELECT outbox.schedule('schédule', every => '1 hour', topic => 'system.tick');
 SELECT pg_temp.refused($$SELECT outbox.schedule('sch1', every => '1 hour', topic => 'system.tick')$$);
 SELECT pg_temp.refused($$SELECT outbox.schedule('sch2', every => '1 hour', topic => 'system.tick')$$);
+-- set_schedule checks as schedule does; a replacement that fails leaves the schedule as it was
+SELECT outbox.set_schedule(NULL, every => '1 hour', topic => 'system.tick');
+SELECT outbox.set_schedule('a b', every => '1 hour', topic => 'system.tick');
+SELECT outbox.set_schedule('sch3', every => '1 hour', topic => 'system..tick');
+SELECT pg_temp.refused($$SELECT outbox.set_schedule('sch3', topic => 'system.tick')$$);
+SELECT pg_temp.refused($$SELECT outbox.set_schedule('sch1', daily_at => '02:30', zone => 'PST', topic => 'system.tick')$$);
+SELECT pg_temp.refused($$SELECT outbox.set_schedule('sch1', every => '1 hour', topic => 'system.tick', queue => 'q1')$$);
 -- neither form, or both
 SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', topic => 'system.tick')$$);
 SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', every => '1 hour', daily_at => '02:30', zone => 'UTC', topic => 'system.tick')$$);

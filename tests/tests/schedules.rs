@@ -683,3 +683,74 @@ fn the_workers_fire_a_run_a_clock_change_skipped_once_at_the_gap_end() {
         .get(0);
     assert_eq!(local, "02:30 true", "then the next regular run");
 }
+
+#[test]
+fn set_schedule_creates_or_replaces_in_place_for_its_owner_only() {
+    let db = test_db("sched_set");
+    let mut c = db.connect();
+    let (app, other) = (
+        format!("set_app_{}", db.name),
+        format!("set_other_{}", db.name),
+    );
+    c.batch_execute(&format!(
+        "CREATE ROLE {app} LOGIN; CREATE ROLE {other} LOGIN;
+         GRANT USAGE ON SCHEMA outbox TO {app}, {other};
+         GRANT EXECUTE ON FUNCTION outbox.set_schedule(text, interval, time, text, text, text, text, jsonb),
+                                   outbox.schedule_status(),
+                                   outbox.raise(text, jsonb, text, text, jsonb) TO {app}, {other};"
+    ))
+    .unwrap();
+    let mut a = db.connect_as(&app);
+    // None of that name yet: created, owned by the caller.
+    a.batch_execute(
+        "SELECT outbox.set_schedule('digest', daily_at => '09:00', zone => 'Europe/Berlin', topic => 'digest.send')",
+    )
+    .unwrap();
+    let row = |c: &mut pg_outbox_tests::postgres::Client| -> (String, String, String) {
+        let r = c
+            .query_one(
+                "SELECT form, owner::text, to_char(next_run AT TIME ZONE 'America/New_York', 'HH24:MI')
+                   FROM outbox.schedule_status() WHERE name = 'digest'",
+                &[],
+            )
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    let (_, owner, _) = row(&mut a);
+    assert_eq!(owner, app);
+    // Set again: the same name, a new time in another zone, the same owner, one schedule.
+    a.batch_execute(
+        "SELECT outbox.set_schedule('digest', daily_at => '09:00', zone => 'America/New_York', topic => 'digest.send')",
+    )
+    .unwrap();
+    let (_, owner, at) = row(&mut a);
+    assert_eq!((owner.as_str(), at.as_str()), (app.as_str(), "09:00"));
+    assert_eq!(
+        a.query_one(
+            "SELECT count(*) FROM outbox.schedule_status() WHERE name = 'digest'",
+            &[]
+        )
+        .unwrap()
+        .get::<_, i64>(0),
+        1
+    );
+    // A replacement that fails leaves the schedule as it was: one transaction.
+    assert_eq!(
+        sqlstate(
+            &mut a,
+            "SELECT outbox.set_schedule('digest', daily_at => '09:00', zone => 'PST', topic => 'digest.send')"
+        ),
+        "22023"
+    );
+    assert_eq!(row(&mut a).2, "09:00");
+    // Another role may not replace it (nor take its name).
+    let mut o = db.connect_as(&other);
+    assert_eq!(
+        sqlstate(
+            &mut o,
+            "SELECT outbox.set_schedule('digest', every => '1 minute', topic => 'digest.send')"
+        ),
+        "42501"
+    );
+    assert_eq!(row(&mut a).1, app);
+}

@@ -67,6 +67,27 @@ CREATE OR REPLACE VIEW outbox.dead_jobs AS
     SELECT id, queue, payload, key, attempts, max_attempts, last_error, created_at, event, subscription,
            dead_at
       FROM outbox.jobs WHERE state = 'dead';
+
+-- Schedules: one-off runs at a local date and time (at), each schedules that queue a job per row
+-- of a query (each), and why a run wrote nothing (last_error). outbox.schedule() gains the
+-- arguments at and each, outbox.schedule_status() the column last_error: both are made again,
+-- and keep the grants they had (saved here, put back at the end of this script).
+ALTER TABLE outbox.schedules ADD COLUMN at_local timestamp, ADD COLUMN each text, ADD COLUMN last_error text;
+ALTER TABLE outbox.schedules DROP CONSTRAINT schedules_one_form,
+    ADD CONSTRAINT schedules_one_form CHECK (
+        (every IS NOT NULL AND daily_at IS NULL AND zone IS NULL AND weekly_on IS NULL AND at_local IS NULL)
+        OR (every IS NULL AND daily_at IS NOT NULL AND zone IS NOT NULL AND at_local IS NULL)
+        OR (every IS NULL AND daily_at IS NULL AND weekly_on IS NULL AND at_local IS NOT NULL AND zone IS NOT NULL)),
+    ADD CONSTRAINT schedules_each_queues CHECK (each IS NULL OR queue IS NOT NULL);
+SELECT pg_catalog.set_config('outbox_upgrade.schedule_acl', coalesce(p.proacl::text, ''), true)
+  FROM pg_catalog.pg_proc p
+ WHERE p.oid = 'outbox.schedule(text, interval, time, text, text, text, text, jsonb)'::pg_catalog.regprocedure;
+SELECT pg_catalog.set_config('outbox_upgrade.schedule_status_acl', coalesce(p.proacl::text, ''), true)
+  FROM pg_catalog.pg_proc p
+ WHERE p.oid = 'outbox.schedule_status()'::pg_catalog.regprocedure;
+DROP FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb);
+DROP FUNCTION outbox.schedule_status();
+DROP FUNCTION outbox._schedule(text, interval, time, text, text, text, text, jsonb, oid);
 CREATE UNIQUE INDEX jobs_waiting_event ON outbox.jobs (queue, subscription, event)
     WHERE subscription IS NOT NULL AND state = 'waiting';
 
@@ -599,13 +620,14 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION outbox._schedule(name text, every interval, daily_at time, zone text, weekly_on text,
-                                 topic text, queue text, payload jsonb, owner oid)
+                                 topic text, queue text, payload jsonb, owner oid,
+                                 at_local timestamp, each text)
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    forms      constant text := 'outbox.schedule(name, every => ''5 minutes'', ...) or '
+    forms      constant text := 'outbox.schedule(name, every => ''5 minutes'', ...), '
         'outbox.schedule(name, daily_at => ''02:30'', zone => ''Europe/Berlin'', weekly_on => ''monday'', ...) '
-        '(weekly_on is optional)';
+        '(weekly_on is optional) or outbox.schedule(name, at => ''2027-01-15 09:00'', zone => ''Europe/Berlin'', ...)';
     tz         text;
     dow        smallint;
     first_run  timestamptz;
@@ -622,17 +644,26 @@ BEGIN
         RAISE EXCEPTION 'owner must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
 
-    IF every IS NULL AND daily_at IS NULL AND (zone IS NOT NULL OR weekly_on IS NOT NULL) THEN
-        RAISE EXCEPTION '% needs daily_at', CASE WHEN zone IS NOT NULL THEN 'zone' ELSE 'weekly_on' END
+    IF every IS NULL AND daily_at IS NULL AND weekly_on IS NOT NULL THEN
+        RAISE EXCEPTION 'weekly_on needs daily_at' USING ERRCODE = 'invalid_parameter_value', HINT = forms;
+    END IF;
+    IF every IS NULL AND daily_at IS NULL AND at_local IS NULL AND zone IS NOT NULL THEN
+        RAISE EXCEPTION 'zone needs daily_at or at' USING ERRCODE = 'invalid_parameter_value', HINT = forms;
+    END IF;
+    IF every IS NULL AND daily_at IS NULL AND at_local IS NULL THEN
+        RAISE EXCEPTION 'a schedule needs every, daily_at or at' USING ERRCODE = 'invalid_parameter_value',
+            HINT = forms;
+    END IF;
+    IF (every IS NOT NULL)::int + (daily_at IS NOT NULL)::int + (at_local IS NOT NULL)::int > 1 THEN
+        RAISE EXCEPTION 'a schedule has one of every, daily_at or at, not %',
+            concat_ws(' and ', CASE WHEN every IS NOT NULL THEN 'every' END,
+                      CASE WHEN daily_at IS NOT NULL THEN 'daily_at' END,
+                      CASE WHEN at_local IS NOT NULL THEN 'at' END)
             USING ERRCODE = 'invalid_parameter_value', HINT = forms;
     END IF;
-    IF every IS NULL AND daily_at IS NULL THEN
-        RAISE EXCEPTION 'a schedule needs every or daily_at' USING ERRCODE = 'invalid_parameter_value',
-            HINT = forms;
-    END IF;
-    IF every IS NOT NULL AND daily_at IS NOT NULL THEN
-        RAISE EXCEPTION 'a schedule has either every or daily_at, not both' USING ERRCODE = 'invalid_parameter_value',
-            HINT = forms;
+    IF weekly_on IS NOT NULL AND at_local IS NOT NULL THEN
+        RAISE EXCEPTION 'weekly_on goes with daily_at, not with at' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'at is one run; daily_at with weekly_on repeats every week';
     END IF;
 
     IF every IS NOT NULL THEN
@@ -660,8 +691,9 @@ BEGIN
         END IF;
     ELSE
         IF zone IS NULL THEN
-            RAISE EXCEPTION 'daily_at needs a zone' USING ERRCODE = 'invalid_parameter_value',
-                HINT = 'a time zone name such as ''America/New_York'' or ''UTC'' (see pg_timezone_names)';
+            RAISE EXCEPTION '% needs a zone', CASE WHEN daily_at IS NOT NULL THEN 'daily_at' ELSE 'at' END
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'a time zone name such as ''America/New_York'' or ''UTC'' (see pg_timezone_names)';
         END IF;
         -- time accepts 24:00, the next day's midnight: it would run on the day after weekly_on.
         IF daily_at >= '24:00' THEN
@@ -704,6 +736,14 @@ BEGIN
     IF queue IS NOT NULL THEN
         PERFORM outbox._check_queue(queue);
     END IF;
+    IF each IS NOT NULL AND queue IS NULL THEN
+        RAISE EXCEPTION 'each queues jobs: it needs a queue, not a topic' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'queue => ''...'' queues one job per row the query returns';
+    END IF;
+    IF each IS NOT NULL AND payload IS NOT NULL AND payload <> '{}' THEN
+        RAISE EXCEPTION 'an each schedule takes no payload: each row is a job''s payload'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     -- NULL means {}, as in raise() and enqueue().
     IF payload IS NOT NULL AND jsonb_typeof(payload) <> 'object' THEN
         RAISE EXCEPTION 'payload must be a JSON object' USING ERRCODE = 'invalid_parameter_value',
@@ -715,11 +755,25 @@ BEGIN
         -- owned by the owner, if it does not exist yet).
         PERFORM outbox._use_queue(queue, owner, 'enqueue');
     END IF;
-    first_run := outbox._next_run(every, daily_at, tz, dow, now(), NULL);
+    IF at_local IS NOT NULL THEN
+        IF NOT isfinite(at_local) THEN
+            RAISE EXCEPTION 'at must be a date and time, not %', at_local USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        first_run := outbox._zoned_instant(at_local, tz);
+        -- A one-off run already past is a mistake (a date in the wrong year, a zone mixed up),
+        -- not a run to fire at once.
+        IF first_run <= now() THEN
+            RAISE EXCEPTION 'at % in % is in the past', at_local, tz USING ERRCODE = 'invalid_parameter_value',
+                DETAIL = format('That is %s UTC.', to_char(first_run AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS'));
+        END IF;
+    ELSE
+        first_run := outbox._next_run(every, daily_at, tz, dow, now(), NULL);
+    END IF;
     -- ON CONFLICT rather than a look first: of two sessions creating one name at once, the second
     -- waits for the first and then gets the clear error, not a unique violation.
-    INSERT INTO outbox.schedules AS s (name, every, daily_at, zone, weekly_on, topic, queue, payload, owner, next_run)
-    VALUES (name, every, daily_at, tz, dow, topic, queue, coalesce(payload, '{}'), owner, first_run)
+    INSERT INTO outbox.schedules AS s (name, every, daily_at, zone, weekly_on, at_local, topic, queue, payload,
+                                       each, owner, next_run)
+    VALUES (name, every, daily_at, tz, dow, at_local, topic, queue, coalesce(payload, '{}'), each, owner, first_run)
     ON CONFLICT ON CONSTRAINT schedules_pkey DO NOTHING;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'schedule "%" already exists', name USING ERRCODE = 'duplicate_object',
@@ -727,6 +781,102 @@ BEGIN
     END IF;
     RETURN first_run;
 END
+$$;
+
+CREATE FUNCTION outbox._schedule_allowed(owner oid, topic text, queue text) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE WHEN topic IS NOT NULL
+                THEN has_function_privilege(owner, 'outbox.raise(text, jsonb, text, text, jsonb)', 'EXECUTE')
+                ELSE has_function_privilege(owner, 'outbox.enqueue(text, jsonb, timestamptz, text, integer)', 'EXECUTE')
+                     AND outbox._may(queue, owner, 'enqueue')
+           END
+$$;
+
+CREATE FUNCTION outbox._schedule_denied(owner oid, topic text, queue text) RETURNS text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT format('its owner %s may no longer write to %s', owner::regrole,
+                  coalesce('topic ' || topic, 'queue ' || queue))
+$$;
+
+CREATE FUNCTION outbox._ran_each(name text, run timestamptz, rows text[], error text) RETURNS integer
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    s   outbox.schedules;
+    bad text;
+    n   integer := 0;
+BEGIN
+    SELECT * INTO s FROM outbox.schedules x WHERE x.name = _ran_each.name;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    IF error IS NULL THEN
+        SELECT coalesce(r, 'NULL') INTO bad
+          FROM unnest(rows) r WHERE r IS NULL OR jsonb_typeof(r::jsonb) <> 'object' LIMIT 1;
+        IF FOUND THEN
+            error := format('each returned a row that is not a JSON object: %s', left(bad, 200));
+        END IF;
+    END IF;
+    IF error IS NULL THEN
+        INSERT INTO outbox.jobs AS j (queue, payload, key, schedule, max_attempts)
+        SELECT s.queue, r::jsonb, md5(r::jsonb::text), s.name, 10
+          FROM unnest(rows) r
+        ON CONFLICT (queue, schedule, key) WHERE schedule IS NOT NULL AND state = 'waiting' DO NOTHING;
+        GET DIAGNOSTICS n = ROW_COUNT;
+    END IF;
+    IF s.at_local IS NOT NULL THEN
+        DELETE FROM outbox.schedules x WHERE x.name = s.name;
+    ELSE
+        UPDATE outbox.schedules x
+           SET next_run = outbox._next_run(x.every, x.daily_at, x.zone, x.weekly_on, now(), run),
+               last_run = now(), fired = x.fired + 1, last_error = error
+         WHERE x.name = s.name;
+    END IF;
+    IF error IS NOT NULL THEN
+        RAISE WARNING 'pg_outbox: schedule "%" skipped a run: %', s.name, error
+            USING HINT = 'outbox.schedule_status() shows the last error; outbox.set_schedule() changes the query';
+    END IF;
+    RETURN n;
+END
+$$;
+
+CREATE FUNCTION outbox._place_one_offs() RETURNS integer
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    n integer;
+BEGIN
+    UPDATE outbox.schedules s SET next_run = outbox._zoned_instant(s.at_local, s.zone)
+     WHERE s.at_local IS NOT NULL AND s.next_run <> outbox._zoned_instant(s.at_local, s.zone);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
+END
+$$;
+
+CREATE FUNCTION outbox.schedule_status()
+RETURNS TABLE (
+    name     text,
+    form       text,          -- 'every 00:00:30', 'daily at 02:30:00 America/New_York', 'weekly on monday at ...'
+                              -- or 'once at 2027-01-15 09:00:00 Europe/Berlin'
+    target     text,          -- 'topic <topic>', 'queue <queue>', or 'queue <queue>, each row of <query>'
+    next_run   timestamptz,
+    last_run   timestamptz,
+    fired      bigint,
+    owner      name,
+    last_error text           -- why the last run wrote nothing; NULL after one that went through
+)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT s.name,
+           CASE WHEN s.every IS NOT NULL THEN 'every ' || s.every::text
+                WHEN s.at_local IS NOT NULL THEN 'once at ' || s.at_local::text || ' ' || s.zone
+                WHEN s.weekly_on IS NOT NULL
+                THEN 'weekly on ' || (ARRAY['sunday','monday','tuesday','wednesday','thursday','friday','saturday'])[s.weekly_on + 1]
+                     || ' at ' || s.daily_at::text || ' ' || s.zone
+                ELSE 'daily at ' || s.daily_at::text || ' ' || s.zone END,
+           CASE WHEN s.topic IS NOT NULL THEN 'topic ' || s.topic
+                WHEN s.each IS NOT NULL THEN 'queue ' || s.queue || ', each row of ' || s.each
+                ELSE 'queue ' || s.queue END,
+           s.next_run, s.last_run, s.fired, r.rolname, s.last_error
+      FROM outbox.schedules s LEFT JOIN pg_catalog.pg_roles r ON r.oid = s.owner
+     ORDER BY s.name
 $$;
 
 CREATE OR REPLACE FUNCTION outbox._fire_schedules() RETURNS integer
@@ -737,24 +887,28 @@ DECLARE
     d text;
 BEGIN
     WITH due AS (
-        SELECT s.name, s.next_run
+        SELECT s.name, s.next_run, s.at_local IS NOT NULL AS once, outbox._schedule_allowed(s.owner, s.topic, s.queue) AS allowed
           FROM outbox.schedules s
-         WHERE s.next_run <= now()
+         WHERE s.next_run <= now() AND s.each IS NULL
            FOR UPDATE SKIP LOCKED
-    ), fired AS (
+    ), moved AS (
         UPDATE outbox.schedules s
            SET next_run = outbox._next_run(s.every, s.daily_at, s.zone, s.weekly_on, now(), due.next_run),
                last_run = now(),
-               fired = s.fired + 1
+               fired = s.fired + 1,
+               last_error = CASE WHEN due.allowed THEN NULL ELSE outbox._schedule_denied(s.owner, s.topic, s.queue) END
           FROM due
-         WHERE s.name = due.name
-        RETURNING s.name, s.topic, s.queue, s.payload, s.owner,
-                  to_char(due.next_run AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS scheduled_for,
-                  CASE WHEN s.topic IS NOT NULL
-                       THEN has_function_privilege(s.owner, 'outbox.raise(text, jsonb, text, text, jsonb)', 'EXECUTE')
-                       ELSE has_function_privilege(s.owner, 'outbox.enqueue(text, jsonb, timestamptz, text, integer)', 'EXECUTE')
-                            AND outbox._may(s.queue, s.owner, 'enqueue')
-                  END AS allowed
+         WHERE s.name = due.name AND NOT due.once
+        RETURNING s.name, s.topic, s.queue, s.payload, s.owner, due.next_run AS run, due.allowed
+    ), done AS (
+        DELETE FROM outbox.schedules s
+         USING due
+         WHERE s.name = due.name AND due.once
+        RETURNING s.name, s.topic, s.queue, s.payload, s.owner, due.next_run AS run, due.allowed
+    ), fired AS (
+        SELECT r.name, r.topic, r.queue, r.payload, r.owner, r.allowed,
+               to_char(r.run AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS scheduled_for
+          FROM (SELECT * FROM moved UNION ALL SELECT * FROM done) r
     ), queued AS (
         -- A run's job, keyed <schedule>@<instant> in the schedule's own namespace (index
         -- jobs_waiting_run): no key given to enqueue() can stand in for it.
@@ -770,8 +924,8 @@ BEGIN
                       THEN outbox.raise(f.topic, f.payload, NULL, NULL,
                                         jsonb_build_object('schedule', f.name, 'scheduled_for', f.scheduled_for))::text
                  END) + (SELECT count(*) FROM queued),
-           array_agg(format('schedule "%s" skipped a run: its owner %s may no longer write to %s',
-                            f.name, f.owner::regrole, coalesce('topic ' || f.topic, 'queue ' || f.queue)))
+           array_agg(format('schedule "%s" skipped a run: %s', f.name,
+                            outbox._schedule_denied(f.owner, f.topic, f.queue)))
                FILTER (WHERE NOT f.allowed)
       INTO n, denied
       FROM fired f;
@@ -1030,11 +1184,29 @@ CREATE FUNCTION outbox."set_schedule"(
 	"weekly_on" TEXT DEFAULT NULL,
 	"topic" TEXT DEFAULT NULL,
 	"queue" TEXT DEFAULT NULL,
-	"payload" jsonb DEFAULT '{}'
+	"payload" jsonb DEFAULT '{}',
+	"at" timestamp DEFAULT NULL,
+	"each" TEXT DEFAULT NULL
 ) RETURNS timestamp with time zone
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'set_schedule_wrapper';
+
+CREATE FUNCTION outbox."schedule"(
+	"name" TEXT,
+	"every" interval DEFAULT NULL,
+	"daily_at" time DEFAULT NULL,
+	"zone" TEXT DEFAULT NULL,
+	"weekly_on" TEXT DEFAULT NULL,
+	"topic" TEXT DEFAULT NULL,
+	"queue" TEXT DEFAULT NULL,
+	"payload" jsonb DEFAULT '{}',
+	"at" timestamp DEFAULT NULL,
+	"each" TEXT DEFAULT NULL
+) RETURNS timestamp with time zone
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'schedule_wrapper';
 
 -- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install), named one by one:
 -- a REVOKE on every function would record the grants users made on the others as the
@@ -1053,7 +1225,8 @@ BEGIN
                     '_check_job', '_fail', '_extend', '_replay_job', '_status', '_queue_status',
                     'create_queue', 'drop_queue', 'grant_queue', 'revoke_queue',
                     '_start_delivery', 'metrics', '_log_txid', '_log_horizon',
-                    'set_schedule']) LOOP
+                    'set_schedule', 'schedule', 'schedule_status', '_schedule', '_schedule_allowed',
+                    '_schedule_denied', '_ran_each', '_place_one_offs']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END
@@ -1138,3 +1311,13 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- outbox.schedule() and outbox.schedule_status() were made again: they get back the grants they
+-- had (saved at the start). Set as the ACL itself, not by GRANT: a GRANT in this script would be
+-- recorded as the extension's initial privileges, which pg_dump leaves out.
+UPDATE pg_catalog.pg_proc p
+   SET proacl = nullif(pg_catalog.current_setting('outbox_upgrade.schedule_acl'), '')::pg_catalog.aclitem[]
+ WHERE p.oid = 'outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text)'::pg_catalog.regprocedure;
+UPDATE pg_catalog.pg_proc p
+   SET proacl = nullif(pg_catalog.current_setting('outbox_upgrade.schedule_status_acl'), '')::pg_catalog.aclitem[]
+ WHERE p.oid = 'outbox.schedule_status()'::pg_catalog.regprocedure;

@@ -46,6 +46,10 @@ pub enum Error {
     /// The caller may not write what a schedule would write (raise, or enqueue).
     ScheduleDenied(&'static str),
     NotScheduleOwner(String),
+    /// An each query that is not one query (why says what it is instead).
+    BadEach(String),
+    /// An each function name that names no function of no arguments.
+    UnknownEachFunction(String),
     NoDeadLetter {
         sink: String,
         position: Position,
@@ -97,6 +101,8 @@ impl Error {
             Error::NotPull { .. } => ERRCODE_WRONG_OBJECT_TYPE,
             Error::NotASink(_) | Error::NotASubscription(_) => ERRCODE_WRONG_OBJECT_TYPE,
             Error::NoDeadLetter { .. } => ERRCODE_UNDEFINED_OBJECT,
+            Error::BadEach(_) => ERRCODE_INVALID_PARAMETER_VALUE,
+            Error::UnknownEachFunction(_) => ERRCODE_UNDEFINED_FUNCTION,
             Error::BadHandler { .. } => ERRCODE_INVALID_FUNCTION_DEFINITION,
             Error::UnknownHandler(_) => ERRCODE_UNDEFINED_FUNCTION,
             Error::HandlerNotExecutable(_) => ERRCODE_INSUFFICIENT_PRIVILEGE,
@@ -139,6 +145,10 @@ impl Error {
             Error::NoDeadLetter { sink, position } => {
                 format!("sink \"{sink}\" has no dead letter at position {position}")
             }
+            Error::BadEach(why) => format!("each must be one query: {why}"),
+            Error::UnknownEachFunction(name) => {
+                format!("each names function {name}, which does not exist or needs arguments")
+            }
             Error::BadHandler { handler, why } => format!("handler {handler} {why}"),
             Error::UnknownHandler(oid) => format!("handler {oid} does not exist"),
             Error::HandlerNotExecutable(handler) => {
@@ -174,6 +184,9 @@ impl Error {
             Error::NotScheduleOwner(_) => {
                 Some("only members of the role that created the schedule may drop it".into())
             }
+            Error::BadEach(_) | Error::UnknownEachFunction(_) => Some(
+                "each is one query (SELECT ..., VALUES ... or WITH ... SELECT ...) or the name of a function called with no arguments; each row it returns is a job's payload".into(),
+            ),
             Error::NotOwner { what, .. } => Some(format!(
                 "only members of the role that created the {what} may change it"
             )),

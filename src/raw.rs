@@ -83,6 +83,18 @@ raw_datum_type!(
     RawTime, "time", pg_sys::TIMEOID
 );
 
+raw_datum_type!(
+    /// A `timestamp` argument (a local date and time), passed through as it came.
+    RawTimestamp, "timestamp", pg_sys::TIMESTAMPOID
+);
+
+impl RawTimestamp {
+    pub fn datum(self) -> DatumWithOid<'static> {
+        // SAFETY: a timestamp datum (int8 microseconds, by value) typed as timestamp.
+        unsafe { DatumWithOid::new(self.0, pg_sys::TIMESTAMPOID) }
+    }
+}
+
 impl RawTime {
     pub fn datum(self) -> DatumWithOid<'static> {
         // SAFETY: a time datum (int8 microseconds, by value) typed as time.

@@ -1,9 +1,10 @@
 //! Schedules: `schedule` and `unschedule` check the caller, then call the SQL in
-//! `sql/schedules.sql` as the log's owner. The workers fire due schedules (`fire_due`).
+//! `sql/schedules.sql` as the log's owner. The workers fire due schedules (`fire_due`), and run
+//! the query of each schedule as its owner, as they run handlers (`dispatch::as_handler_owner`).
 
 use crate::error::{Error, OrReport};
 use crate::owner::{acts_for, as_owner, caller};
-use crate::raw::RawTime;
+use crate::raw::{RawTime, RawTimestamp};
 use pg_outbox_core::{name as names, required, topic};
 use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
 use pgrx::prelude::*;
@@ -18,8 +19,9 @@ fn may_execute(role: pg_sys::Oid, function: &str) -> bool {
 }
 
 /// Schedules runs that raise an event on `topic` or queue a job on `queue`, with `payload`:
-/// `every` fixed interval, or `daily_at` a local time in `zone` (only on `weekly_on`, a day name,
-/// if given). Returns the first run.
+/// `every` fixed interval, `daily_at` a local time in `zone` (only on `weekly_on`, a day name,
+/// if given), or once `at` a local date and time in `zone`. With `each` (a query, or the name of
+/// a function returning rows), a run queues one job per row instead. Returns the first run.
 #[pg_extern(volatile, parallel_unsafe)]
 #[allow(clippy::too_many_arguments)]
 fn schedule(
@@ -31,9 +33,11 @@ fn schedule(
     topic: default!(Option<&str>, "NULL"),
     queue: default!(Option<&str>, "NULL"),
     payload: default!(Option<pgrx::JsonB>, "'{}'"),
+    at: default!(Option<RawTimestamp>, "NULL"),
+    each: default!(Option<&str>, "NULL"),
 ) -> TimestampWithTimeZone {
     let form = Form::checked(
-        name, every, daily_at, zone, weekly_on, topic, queue, payload,
+        name, every, daily_at, zone, weekly_on, topic, queue, payload, at, each,
     );
     let me = caller();
     let first = as_owner(|| form.create(me));
@@ -55,9 +59,11 @@ fn set_schedule(
     topic: default!(Option<&str>, "NULL"),
     queue: default!(Option<&str>, "NULL"),
     payload: default!(Option<pgrx::JsonB>, "'{}'"),
+    at: default!(Option<RawTimestamp>, "NULL"),
+    each: default!(Option<&str>, "NULL"),
 ) -> TimestampWithTimeZone {
     let form = Form::checked(
-        name, every, daily_at, zone, weekly_on, topic, queue, payload,
+        name, every, daily_at, zone, weekly_on, topic, queue, payload, at, each,
     );
     let me = caller();
     let owner = locked_owner(form.name).unwrap_or(me);
@@ -88,6 +94,9 @@ struct Form<'a> {
     topic: Option<&'a str>,
     queue: Option<&'a str>,
     payload: Option<pgrx::JsonB>,
+    at: Option<RawTimestamp>,
+    /// The each query as it runs (a function name made `SELECT * FROM` it).
+    each: Option<String>,
 }
 
 impl<'a> Form<'a> {
@@ -101,6 +110,8 @@ impl<'a> Form<'a> {
         topic: Option<&'a str>,
         queue: Option<&'a str>,
         payload: Option<pgrx::JsonB>,
+        at: Option<RawTimestamp>,
+        each: Option<&str>,
     ) -> Form<'a> {
         if !crate::worker::preloaded() {
             Error::NotPreloaded.report();
@@ -110,6 +121,7 @@ impl<'a> Form<'a> {
         if let Some(t) = topic {
             topic::validate(t).or_report();
         }
+        let each = each.map(each_query);
         let form = Form {
             name,
             every,
@@ -119,6 +131,8 @@ impl<'a> Form<'a> {
             topic,
             queue,
             payload,
+            at,
+            each,
         };
         form.check_rights(caller());
         form
@@ -145,7 +159,7 @@ impl<'a> Form<'a> {
     /// Creates the schedule for `owner` (as the log's owner); returns its first run.
     fn create(self, owner: pg_sys::Oid) -> TimestampWithTimeZone {
         Spi::get_one_with_args::<TimestampWithTimeZone>(
-            "SELECT outbox._schedule($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            "SELECT outbox._schedule($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
             &[
                 DatumWithOid::from(self.name),
                 DatumWithOid::from(self.every),
@@ -157,11 +171,106 @@ impl<'a> Form<'a> {
                 DatumWithOid::from(self.queue),
                 DatumWithOid::from(self.payload),
                 DatumWithOid::from(owner),
+                self.at.map_or_else(
+                    DatumWithOid::null::<pgrx::datum::Timestamp>,
+                    RawTimestamp::datum,
+                ),
+                DatumWithOid::from(self.each.as_deref()),
             ],
         )
         .unwrap_or_else(|e| panic!("scheduling: {e}"))
         .expect("_schedule returns the first run")
     }
+}
+
+/// The most rows one run of an each query may return: they are held in the worker's memory
+/// until its jobs are written. A query returning more fails the run (nothing is queued).
+const EACH_MAX_ROWS: usize = 100_000;
+
+/// Each schedules a worker fires per round at most (the others wait for the next round, soon).
+const EACH_PER_ROUND: usize = 16;
+
+/// An each query as it will run, checked with the caller's rights: one query, or the name of a
+/// function called with no arguments (`SELECT * FROM` it). It is planned and started (nothing is
+/// fetched) with the search_path it runs with, `"$user", public` as for handlers: a name that
+/// does not resolve, a missing column or a table the caller may not read is an error now, not at
+/// its first run.
+fn each_query(each: &str) -> String {
+    let query = match function_name(each) {
+        Some(name) => function_query(name),
+        None => one_query(each),
+    };
+    {
+        let _path = crate::isolation::NestLevel::for_handler();
+        Spi::run(&format!("SELECT * FROM ({query}) r LIMIT 0"))
+            .unwrap_or_else(|e| panic!("checking each: {e}"));
+    }
+    query
+}
+
+/// `each` as a function's name (`reports.due_digests` or `reports.due_digests()`), if it looks
+/// like one: a query always has a space or a parenthesis with something in it.
+fn function_name(each: &str) -> Option<&str> {
+    let name = each.trim();
+    let name = name.strip_suffix("()").unwrap_or(name).trim_end();
+    (!name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_alphanumeric() || matches!(c, '_' | '.' | '"' | '$')))
+    .then_some(name)
+}
+
+/// `SELECT * FROM` the function `name` (resolved by the caller's search_path), schema-qualified.
+fn function_query(name: &str) -> String {
+    let found = Spi::get_one_with_args::<String>(
+        "SELECT pg_catalog.format('SELECT * FROM %I.%I()', n.nspname, p.proname) \
+           FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
+          WHERE p.oid = pg_catalog.to_regproc($1) AND p.pronargs = p.pronargdefaults AND p.prokind = 'f'",
+        &[DatumWithOid::from(name)],
+    )
+    .or_else(|e| match e {
+        pgrx::spi::Error::InvalidPosition => Ok(None),
+        e => Err(e),
+    })
+    .unwrap_or_else(|e| panic!("resolving each: {e}"));
+    found.unwrap_or_else(|| Error::UnknownEachFunction(name.into()).report())
+}
+
+/// The text of `each`'s one statement, which must be a query (SELECT, VALUES, WITH ... SELECT):
+/// not several statements, not a command. A syntax error is reported as the parser reports it.
+fn one_query(each: &str) -> String {
+    let text = std::ffi::CString::new(each)
+        .unwrap_or_else(|_| Error::BadEach("it contains a NUL character".into()).report());
+    // SAFETY: parses a NUL-terminated string in the current memory context; the list and its
+    // nodes are read before anything else runs.
+    let (count, select, location, len) = unsafe {
+        let list = pgrx::PgList::<pg_sys::RawStmt>::from_pg(pg_sys::raw_parser(
+            text.as_ptr(),
+            pg_sys::RawParseMode::RAW_PARSE_DEFAULT,
+        ));
+        match list.get_ptr(0) {
+            Some(raw) => (
+                list.len(),
+                (*(*raw).stmt).type_ == pg_sys::NodeTag::T_SelectStmt
+                    && (*(*raw).stmt.cast::<pg_sys::SelectStmt>())
+                        .intoClause
+                        .is_null(),
+                (*raw).stmt_location.max(0) as usize,
+                (*raw).stmt_len.max(0) as usize,
+            ),
+            None => (0, false, 0, 0),
+        }
+    };
+    match count {
+        0 => Error::BadEach("it is empty".into()).report(),
+        1 if select => {}
+        1 => Error::BadEach("it is a command, not a query".into()).report(),
+        n => Error::BadEach(format!("it has {n} statements")).report(),
+    }
+    // The statement without what surrounds it (a trailing ';', comments): it goes inside
+    // parentheses. stmt_len 0 means the rest of the string.
+    let end = if len == 0 { each.len() } else { location + len };
+    each.get(location..end).unwrap_or(each).trim().to_string()
 }
 
 /// The owner of schedule `name`, its row locked until the transaction ends (None: no such
@@ -204,10 +313,139 @@ pub fn due_in() -> Option<i64> {
     crate::query::one::<i64>("SELECT outbox._schedule_due_in()", &[])
 }
 
-/// Fires every due schedule (one statement: see `outbox._fire_schedules`). In the worker, in a
-/// transaction of its own.
+/// Fires every due schedule: all but each schedules in one statement (see
+/// `outbox._fire_schedules`), then each schedules one by one. Returns the runs fired. In the
+/// worker, in a transaction of its own: a run and what it wrote commit together.
 pub fn fire_due() -> i32 {
-    Spi::get_one::<i32>("SELECT outbox._fire_schedules()")
+    let mut fired = Spi::get_one::<i32>("SELECT outbox._fire_schedules()")
         .expect("firing schedules")
-        .unwrap_or(0)
+        .unwrap_or(0);
+    for _ in 0..EACH_PER_ROUND {
+        if !fire_one_each() {
+            break;
+        }
+        fired += 1;
+    }
+    fired
+}
+
+/// Fires one due each schedule, if there is one nobody else is firing: its query runs as its
+/// owner (in a subtransaction, under the handler timeout, as handlers run), then
+/// `outbox._ran_each` queues a job per row and moves the schedule on. A run whose owner may no
+/// longer enqueue, or whose query fails, queues nothing and says why (last_error, a WARNING).
+fn fire_one_each() -> bool {
+    Spi::connect_mut(|client| {
+        let due = client
+            .update(
+                "SELECT s.name, s.each, s.owner::pg_catalog.oid, s.next_run, \
+                        CASE WHEN NOT outbox._schedule_allowed(s.owner, s.topic, s.queue) \
+                             THEN outbox._schedule_denied(s.owner, s.topic, s.queue) END \
+                   FROM outbox.schedules s \
+                  WHERE s.each IS NOT NULL AND s.next_run <= pg_catalog.now() \
+                  ORDER BY s.next_run LIMIT 1 FOR UPDATE SKIP LOCKED",
+                None,
+                &[],
+            )
+            .expect("finding a due each schedule");
+        let Some(row) = due.into_iter().next() else {
+            return false;
+        };
+        let name: String = row.get(1).unwrap().expect("name");
+        let query: String = row.get(2).unwrap().expect("each");
+        let owner: pg_sys::Oid = row.get(3).unwrap().expect("owner");
+        let run: TimestampWithTimeZone = row.get(4).unwrap().expect("next_run");
+        let denied: Option<String> = row.get(5).unwrap();
+        let (rows, error) = match denied {
+            Some(denied) => (None, Some(denied)),
+            None => match run_each(client, &name, &query, owner) {
+                Ok(rows) => (Some(rows), None),
+                Err(failure) => (None, Some(failure.message)),
+            },
+        };
+        client
+            .update(
+                "SELECT outbox._ran_each($1, $2, $3, $4)",
+                None,
+                &[
+                    DatumWithOid::from(name.as_str()),
+                    DatumWithOid::from(run),
+                    DatumWithOid::from(rows),
+                    DatumWithOid::from(error),
+                ],
+            )
+            .expect("queueing the jobs of an each schedule");
+        true
+    })
+}
+
+/// The rows of an each query, as jsonb texts: a query of one jsonb column gives its values,
+/// any other the row as an object (`to_jsonb`). Runs as `owner`, as a handler runs.
+fn run_each(
+    client: &pgrx::spi::SpiClient<'_>,
+    name: &str,
+    query: &str,
+    owner: pg_sys::Oid,
+) -> Result<Vec<Option<String>>, crate::transaction::Failure> {
+    let target = crate::worker::Target::Schedule { name };
+    crate::dispatch::as_handler_owner(owner, target, || {
+        let fail = |e: pgrx::spi::Error| -> ! { panic!("{e}") };
+        let shape = client
+            .select(&format!("SELECT * FROM ({query}) r LIMIT 0"), None, &[])
+            .unwrap_or_else(|e| fail(e));
+        let whole = !(shape.columns().unwrap_or_else(|e| fail(e)) == 1
+            && shape.column_type_oid(1).unwrap_or_else(|e| fail(e)).value() == pg_sys::JSONBOID);
+        let sql = if whole {
+            format!("SELECT pg_catalog.to_jsonb(r)::pg_catalog.text FROM ({query}) r LIMIT $1")
+        } else {
+            format!("SELECT r.x::pg_catalog.text FROM ({query}) r(x) LIMIT $1")
+        };
+        let limit = EACH_MAX_ROWS as i64 + 1;
+        let rows = client
+            .select(&sql, None, &[DatumWithOid::from(limit)])
+            .unwrap_or_else(|e| fail(e));
+        if rows.len() > EACH_MAX_ROWS {
+            panic!("each returned more than {EACH_MAX_ROWS} rows");
+        }
+        rows.map(|row| row.get::<String>(1).unwrap_or_else(|e| fail(e)))
+            .collect::<Vec<_>>()
+    })
+}
+
+/// The each schedule `name` ran a query that would not stop and ended its worker (see
+/// `worker::InHandler`): the run is recorded as failed, so the schedule moves on instead of
+/// ending every worker that fires it.
+pub fn after_hang(name: &str) {
+    let recorded = crate::transaction::in_transaction(|| {
+        Spi::connect_mut(|client| {
+            let due = client.update(
+                "SELECT s.next_run FROM outbox.schedules s \
+                  WHERE s.name = $1 AND s.each IS NOT NULL AND s.next_run <= pg_catalog.now() FOR UPDATE",
+                None,
+                &[DatumWithOid::from(name)],
+            )?;
+            if let Some(row) = due.into_iter().next() {
+                let run: TimestampWithTimeZone = row.get(1)?.expect("next_run");
+                client.update(
+                    "SELECT outbox._ran_each($1, $2, NULL, $3)",
+                    None,
+                    &[
+                        DatumWithOid::from(name),
+                        DatumWithOid::from(run),
+                        DatumWithOid::from(crate::dispatch::hang_failure().message),
+                    ],
+                )?;
+            }
+            Ok::<_, pgrx::spi::Error>(())
+        })
+    });
+    match recorded {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => pgrx::warning!("pg_outbox: schedule \"{name}\": {e}"),
+        Err(e) => pgrx::warning!("pg_outbox: schedule \"{name}\": {e}"),
+    }
+}
+
+/// Places the one-off runs again by the zone rules of this process (a worker that starts).
+pub fn place_one_offs() {
+    Spi::run("SELECT outbox._place_one_offs()").expect("placing one-off runs");
 }

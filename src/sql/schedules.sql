@@ -1,5 +1,7 @@
--- Schedules: a named schedule raises an event or queues a job, either every fixed interval or at a
--- wall-clock time in a time zone (daily, or weekly on one day). The workers call
+-- Schedules: a named schedule raises an event or queues a job, either every fixed interval, at a
+-- wall-clock time in a time zone (daily, or weekly on one day), or once at a local date and time
+-- in a zone. An each schedule runs a query as its owner at each run and queues one job per row it
+-- returns (src/schedule.rs runs the query; see _ran_each). The workers call
 -- outbox._fire_schedules(); the public outbox.schedule() and outbox.unschedule() check the caller,
 -- then call outbox._schedule() and outbox._unschedule() here as the extension owner.
 --
@@ -14,6 +16,10 @@
 --   spring-forward day runs at 03:00 EDT). A local time a fall-back repeats runs once: at its
 --   first occurrence (01:30 EDT, not 01:30 EST), and never again that day. Missed runs fire
 --   once, late, then the next regular time.
+-- * at + zone: one run, at the instant the zone's rules give that local date and time (the same
+--   rules as daily_at), then the schedule is gone. The instant is placed again by each worker
+--   that starts, so a tz database update that moves the zone's clocks (a country leaving
+--   daylight saving time) moves the run with them once the workers restart on the new rules.
 -- * Nothing depends on the session's TimeZone: the workers run with the server's, tests and
 --   users with their own. Local times are only computed with AT TIME ZONE and an explicit zone,
 --   and instants only move by intervals with no days part (timestamptz + '1 day' adds a
@@ -38,27 +44,38 @@ CREATE TABLE outbox.schedules (
     last_run   timestamptz,
     fired      bigint      NOT NULL DEFAULT 0,
     created_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    -- (0.2.0) The one-off form, instead of every or daily_at: once, at this local date and time
+    -- in zone.
+    at_local   timestamp,
+    -- (0.2.0) An each schedule: this query, run as the owner at each run, gives one job per row
+    -- (the row is the payload; payload is not used).
+    each       text,
+    -- (0.2.0) Why the last run wrote nothing (its owner lost a right, an each query failed); NULL
+    -- after a run that went through.
+    last_error text,
     -- _schedule() checks all of these with a clear message; the constraints keep the table sound
     -- against any other writer (a superuser's INSERT, a restore), since a row the firing
     -- statement cannot handle would stop every schedule from firing.
     -- The same rule as queue, consumer and sink names (pg_outbox_core::name).
     CONSTRAINT schedules_name CHECK (name ~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$'),
     CONSTRAINT schedules_one_form CHECK (
-        (every IS NOT NULL AND daily_at IS NULL AND zone IS NULL AND weekly_on IS NULL)
-        OR (every IS NULL AND daily_at IS NOT NULL AND zone IS NOT NULL)),
+        (every IS NOT NULL AND daily_at IS NULL AND zone IS NULL AND weekly_on IS NULL AND at_local IS NULL)
+        OR (every IS NULL AND daily_at IS NOT NULL AND zone IS NOT NULL AND at_local IS NULL)
+        OR (every IS NULL AND daily_at IS NULL AND weekly_on IS NULL AND at_local IS NOT NULL AND zone IS NOT NULL)),
     CONSTRAINT schedules_every_fixed CHECK (
         EXTRACT(YEAR FROM every) = 0 AND EXTRACT(MONTH FROM every) = 0
         AND EXTRACT(EPOCH FROM every) BETWEEN 1 AND 3650 * 86400),
     CONSTRAINT schedules_daily_at CHECK (daily_at < '24:00'),
     CONSTRAINT schedules_weekly_on CHECK (weekly_on BETWEEN 0 AND 6),
     CONSTRAINT schedules_one_target CHECK ((topic IS NULL) <> (queue IS NULL)),
-    CONSTRAINT schedules_payload_object CHECK (pg_catalog.jsonb_typeof(payload) = 'object')
+    CONSTRAINT schedules_payload_object CHECK (pg_catalog.jsonb_typeof(payload) = 'object'),
+    CONSTRAINT schedules_each_queues CHECK (each IS NULL OR queue IS NOT NULL)
 );
 -- The firing statement and _schedule_due_in() look for the earliest next_run.
 CREATE INDEX schedules_next_run ON outbox.schedules (next_run);
 
 COMMENT ON TABLE outbox.schedules IS
-    'Schedules: every fixed interval, or daily/weekly at a local time in a zone; each run raises an event or queues a job.';
+    'Schedules: every fixed interval, daily/weekly at a local time in a zone, or once at a local time; each run raises an event or queues a job (or one job per row of an each query).';
 
 -- The first instant whose local time in zone is at or after wall: the instant of wall itself
 -- when that local time exists (the first of the two when a clock change repeats it), the end of
@@ -182,16 +199,18 @@ BEGIN
 END
 $$;
 
--- Creates a schedule after checking every argument; returns its first run. Topics are checked
--- by the caller, outbox.schedule(), with raise()'s own rules.
+-- Creates a schedule after checking every argument; returns its first run. Topics, and an each
+-- query, are checked by the caller, outbox.schedule(), with raise()'s own rules and the caller's
+-- rights.
 CREATE FUNCTION outbox._schedule(name text, every interval, daily_at time, zone text, weekly_on text,
-                                 topic text, queue text, payload jsonb, owner oid)
+                                 topic text, queue text, payload jsonb, owner oid,
+                                 at_local timestamp, each text)
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    forms      constant text := 'outbox.schedule(name, every => ''5 minutes'', ...) or '
+    forms      constant text := 'outbox.schedule(name, every => ''5 minutes'', ...), '
         'outbox.schedule(name, daily_at => ''02:30'', zone => ''Europe/Berlin'', weekly_on => ''monday'', ...) '
-        '(weekly_on is optional)';
+        '(weekly_on is optional) or outbox.schedule(name, at => ''2027-01-15 09:00'', zone => ''Europe/Berlin'', ...)';
     tz         text;
     dow        smallint;
     first_run  timestamptz;
@@ -208,17 +227,26 @@ BEGIN
         RAISE EXCEPTION 'owner must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
 
-    IF every IS NULL AND daily_at IS NULL AND (zone IS NOT NULL OR weekly_on IS NOT NULL) THEN
-        RAISE EXCEPTION '% needs daily_at', CASE WHEN zone IS NOT NULL THEN 'zone' ELSE 'weekly_on' END
+    IF every IS NULL AND daily_at IS NULL AND weekly_on IS NOT NULL THEN
+        RAISE EXCEPTION 'weekly_on needs daily_at' USING ERRCODE = 'invalid_parameter_value', HINT = forms;
+    END IF;
+    IF every IS NULL AND daily_at IS NULL AND at_local IS NULL AND zone IS NOT NULL THEN
+        RAISE EXCEPTION 'zone needs daily_at or at' USING ERRCODE = 'invalid_parameter_value', HINT = forms;
+    END IF;
+    IF every IS NULL AND daily_at IS NULL AND at_local IS NULL THEN
+        RAISE EXCEPTION 'a schedule needs every, daily_at or at' USING ERRCODE = 'invalid_parameter_value',
+            HINT = forms;
+    END IF;
+    IF (every IS NOT NULL)::int + (daily_at IS NOT NULL)::int + (at_local IS NOT NULL)::int > 1 THEN
+        RAISE EXCEPTION 'a schedule has one of every, daily_at or at, not %',
+            concat_ws(' and ', CASE WHEN every IS NOT NULL THEN 'every' END,
+                      CASE WHEN daily_at IS NOT NULL THEN 'daily_at' END,
+                      CASE WHEN at_local IS NOT NULL THEN 'at' END)
             USING ERRCODE = 'invalid_parameter_value', HINT = forms;
     END IF;
-    IF every IS NULL AND daily_at IS NULL THEN
-        RAISE EXCEPTION 'a schedule needs every or daily_at' USING ERRCODE = 'invalid_parameter_value',
-            HINT = forms;
-    END IF;
-    IF every IS NOT NULL AND daily_at IS NOT NULL THEN
-        RAISE EXCEPTION 'a schedule has either every or daily_at, not both' USING ERRCODE = 'invalid_parameter_value',
-            HINT = forms;
+    IF weekly_on IS NOT NULL AND at_local IS NOT NULL THEN
+        RAISE EXCEPTION 'weekly_on goes with daily_at, not with at' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'at is one run; daily_at with weekly_on repeats every week';
     END IF;
 
     IF every IS NOT NULL THEN
@@ -246,8 +274,9 @@ BEGIN
         END IF;
     ELSE
         IF zone IS NULL THEN
-            RAISE EXCEPTION 'daily_at needs a zone' USING ERRCODE = 'invalid_parameter_value',
-                HINT = 'a time zone name such as ''America/New_York'' or ''UTC'' (see pg_timezone_names)';
+            RAISE EXCEPTION '% needs a zone', CASE WHEN daily_at IS NOT NULL THEN 'daily_at' ELSE 'at' END
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'a time zone name such as ''America/New_York'' or ''UTC'' (see pg_timezone_names)';
         END IF;
         -- time accepts 24:00, the next day's midnight: it would run on the day after weekly_on.
         IF daily_at >= '24:00' THEN
@@ -290,6 +319,14 @@ BEGIN
     IF queue IS NOT NULL THEN
         PERFORM outbox._check_queue(queue);
     END IF;
+    IF each IS NOT NULL AND queue IS NULL THEN
+        RAISE EXCEPTION 'each queues jobs: it needs a queue, not a topic' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'queue => ''...'' queues one job per row the query returns';
+    END IF;
+    IF each IS NOT NULL AND payload IS NOT NULL AND payload <> '{}' THEN
+        RAISE EXCEPTION 'an each schedule takes no payload: each row is a job''s payload'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     -- NULL means {}, as in raise() and enqueue().
     IF payload IS NOT NULL AND jsonb_typeof(payload) <> 'object' THEN
         RAISE EXCEPTION 'payload must be a JSON object' USING ERRCODE = 'invalid_parameter_value',
@@ -301,11 +338,25 @@ BEGIN
         -- owned by the owner, if it does not exist yet).
         PERFORM outbox._use_queue(queue, owner, 'enqueue');
     END IF;
-    first_run := outbox._next_run(every, daily_at, tz, dow, now(), NULL);
+    IF at_local IS NOT NULL THEN
+        IF NOT isfinite(at_local) THEN
+            RAISE EXCEPTION 'at must be a date and time, not %', at_local USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        first_run := outbox._zoned_instant(at_local, tz);
+        -- A one-off run already past is a mistake (a date in the wrong year, a zone mixed up),
+        -- not a run to fire at once.
+        IF first_run <= now() THEN
+            RAISE EXCEPTION 'at % in % is in the past', at_local, tz USING ERRCODE = 'invalid_parameter_value',
+                DETAIL = format('That is %s UTC.', to_char(first_run AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS'));
+        END IF;
+    ELSE
+        first_run := outbox._next_run(every, daily_at, tz, dow, now(), NULL);
+    END IF;
     -- ON CONFLICT rather than a look first: of two sessions creating one name at once, the second
     -- waits for the first and then gets the clear error, not a unique violation.
-    INSERT INTO outbox.schedules AS s (name, every, daily_at, zone, weekly_on, topic, queue, payload, owner, next_run)
-    VALUES (name, every, daily_at, tz, dow, topic, queue, coalesce(payload, '{}'), owner, first_run)
+    INSERT INTO outbox.schedules AS s (name, every, daily_at, zone, weekly_on, at_local, topic, queue, payload,
+                                       each, owner, next_run)
+    VALUES (name, every, daily_at, tz, dow, at_local, topic, queue, coalesce(payload, '{}'), each, owner, first_run)
     ON CONFLICT ON CONSTRAINT schedules_pkey DO NOTHING;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'schedule "%" already exists', name USING ERRCODE = 'duplicate_object',
@@ -328,6 +379,24 @@ BEGIN
 END
 $$;
 
+-- Whether a run of a schedule may write, as its owner: EXECUTE on raise(), or on enqueue() with
+-- the enqueue privilege on the queue.
+CREATE FUNCTION outbox._schedule_allowed(owner oid, topic text, queue text) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE WHEN topic IS NOT NULL
+                THEN has_function_privilege(owner, 'outbox.raise(text, jsonb, text, text, jsonb)', 'EXECUTE')
+                ELSE has_function_privilege(owner, 'outbox.enqueue(text, jsonb, timestamptz, text, integer)', 'EXECUTE')
+                     AND outbox._may(queue, owner, 'enqueue')
+           END
+$$;
+
+-- Why a run that may not write was skipped.
+CREATE FUNCTION outbox._schedule_denied(owner oid, topic text, queue text) RETURNS text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT format('its owner %s may no longer write to %s', owner::regrole,
+                  coalesce('topic ' || topic, 'queue ' || queue))
+$$;
+
 -- Fires every due schedule; returns how many fired. One statement moves each due schedule to its
 -- next run and writes its event or job, so a run and its write commit or roll back together.
 --
@@ -348,7 +417,10 @@ $$;
 --
 -- A run writes only what its owner may still write: EXECUTE on raise() (or enqueue(), and the
 -- enqueue privilege on the queue). A run whose owner lost that right is skipped (the schedule
--- moves on to its next run) and a WARNING in the server log says which and why.
+-- moves on to its next run), last_error and a WARNING in the server log say which and why.
+--
+-- A one-off schedule (at) is deleted by its run. Each schedules are left to src/schedule.rs,
+-- which runs their query as the owner and then calls _ran_each().
 CREATE FUNCTION outbox._fire_schedules() RETURNS integer
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -357,24 +429,28 @@ DECLARE
     d text;
 BEGIN
     WITH due AS (
-        SELECT s.name, s.next_run
+        SELECT s.name, s.next_run, s.at_local IS NOT NULL AS once, outbox._schedule_allowed(s.owner, s.topic, s.queue) AS allowed
           FROM outbox.schedules s
-         WHERE s.next_run <= now()
+         WHERE s.next_run <= now() AND s.each IS NULL
            FOR UPDATE SKIP LOCKED
-    ), fired AS (
+    ), moved AS (
         UPDATE outbox.schedules s
            SET next_run = outbox._next_run(s.every, s.daily_at, s.zone, s.weekly_on, now(), due.next_run),
                last_run = now(),
-               fired = s.fired + 1
+               fired = s.fired + 1,
+               last_error = CASE WHEN due.allowed THEN NULL ELSE outbox._schedule_denied(s.owner, s.topic, s.queue) END
           FROM due
-         WHERE s.name = due.name
-        RETURNING s.name, s.topic, s.queue, s.payload, s.owner,
-                  to_char(due.next_run AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS scheduled_for,
-                  CASE WHEN s.topic IS NOT NULL
-                       THEN has_function_privilege(s.owner, 'outbox.raise(text, jsonb, text, text, jsonb)', 'EXECUTE')
-                       ELSE has_function_privilege(s.owner, 'outbox.enqueue(text, jsonb, timestamptz, text, integer)', 'EXECUTE')
-                            AND outbox._may(s.queue, s.owner, 'enqueue')
-                  END AS allowed
+         WHERE s.name = due.name AND NOT due.once
+        RETURNING s.name, s.topic, s.queue, s.payload, s.owner, due.next_run AS run, due.allowed
+    ), done AS (
+        DELETE FROM outbox.schedules s
+         USING due
+         WHERE s.name = due.name AND due.once
+        RETURNING s.name, s.topic, s.queue, s.payload, s.owner, due.next_run AS run, due.allowed
+    ), fired AS (
+        SELECT r.name, r.topic, r.queue, r.payload, r.owner, r.allowed,
+               to_char(r.run AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS scheduled_for
+          FROM (SELECT * FROM moved UNION ALL SELECT * FROM done) r
     ), queued AS (
         -- A run's job, keyed <schedule>@<instant> in the schedule's own namespace (index
         -- jobs_waiting_run): no key given to enqueue() can stand in for it.
@@ -390,14 +466,74 @@ BEGIN
                       THEN outbox.raise(f.topic, f.payload, NULL, NULL,
                                         jsonb_build_object('schedule', f.name, 'scheduled_for', f.scheduled_for))::text
                  END) + (SELECT count(*) FROM queued),
-           array_agg(format('schedule "%s" skipped a run: its owner %s may no longer write to %s',
-                            f.name, f.owner::regrole, coalesce('topic ' || f.topic, 'queue ' || f.queue)))
+           array_agg(format('schedule "%s" skipped a run: %s', f.name,
+                            outbox._schedule_denied(f.owner, f.topic, f.queue)))
                FILTER (WHERE NOT f.allowed)
       INTO n, denied
       FROM fired f;
     FOREACH d IN ARRAY coalesce(denied, '{}') LOOP
         RAISE WARNING 'pg_outbox: %', d USING HINT = 'grant the right back, or outbox.unschedule() it';
     END LOOP;
+    RETURN n;
+END
+$$;
+
+-- Records the run `run` of each schedule `name` (src/schedule.rs locked it, then ran its query as
+-- the owner, in this transaction): rows are the payloads, a job each, keyed by the row's md5 in
+-- the schedule's own namespace (index jobs_waiting_run; the run keys of other schedules have an
+-- '@'), so a row whose job still waits gets no second one. error (rows NULL) is why the run wrote
+-- nothing. The schedule moves on to its next run, or a one-off is deleted. Returns the jobs queued.
+CREATE FUNCTION outbox._ran_each(name text, run timestamptz, rows text[], error text) RETURNS integer
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    s   outbox.schedules;
+    bad text;
+    n   integer := 0;
+BEGIN
+    SELECT * INTO s FROM outbox.schedules x WHERE x.name = _ran_each.name;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    IF error IS NULL THEN
+        SELECT coalesce(r, 'NULL') INTO bad
+          FROM unnest(rows) r WHERE r IS NULL OR jsonb_typeof(r::jsonb) <> 'object' LIMIT 1;
+        IF FOUND THEN
+            error := format('each returned a row that is not a JSON object: %s', left(bad, 200));
+        END IF;
+    END IF;
+    IF error IS NULL THEN
+        INSERT INTO outbox.jobs AS j (queue, payload, key, schedule, max_attempts)
+        SELECT s.queue, r::jsonb, md5(r::jsonb::text), s.name, 10
+          FROM unnest(rows) r
+        ON CONFLICT (queue, schedule, key) WHERE schedule IS NOT NULL AND state = 'waiting' DO NOTHING;
+        GET DIAGNOSTICS n = ROW_COUNT;
+    END IF;
+    IF s.at_local IS NOT NULL THEN
+        DELETE FROM outbox.schedules x WHERE x.name = s.name;
+    ELSE
+        UPDATE outbox.schedules x
+           SET next_run = outbox._next_run(x.every, x.daily_at, x.zone, x.weekly_on, now(), run),
+               last_run = now(), fired = x.fired + 1, last_error = error
+         WHERE x.name = s.name;
+    END IF;
+    IF error IS NOT NULL THEN
+        RAISE WARNING 'pg_outbox: schedule "%" skipped a run: %', s.name, error
+            USING HINT = 'outbox.schedule_status() shows the last error; outbox.set_schedule() changes the query';
+    END IF;
+    RETURN n;
+END
+$$;
+
+-- Places every one-off run again by its zone's rules as this process has them: a worker that
+-- starts after a tz database update moves the runs the update moved. Returns how many moved.
+CREATE FUNCTION outbox._place_one_offs() RETURNS integer
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    n integer;
+BEGIN
+    UPDATE outbox.schedules s SET next_run = outbox._zoned_instant(s.at_local, s.zone)
+     WHERE s.at_local IS NOT NULL AND s.next_run <> outbox._zoned_instant(s.at_local, s.zone);
+    GET DIAGNOSTICS n = ROW_COUNT;
     RETURN n;
 END
 $$;
@@ -417,22 +553,27 @@ $$;
 CREATE FUNCTION outbox.schedule_status()
 RETURNS TABLE (
     name     text,
-    form     text,            -- 'every 00:00:30' or 'daily 02:30:00 America/New_York' (or 'weekly on monday ...')
-    target   text,            -- 'topic <topic>' or 'queue <queue>'
-    next_run timestamptz,
-    last_run timestamptz,
-    fired    bigint,
-    owner    name
+    form       text,          -- 'every 00:00:30', 'daily at 02:30:00 America/New_York', 'weekly on monday at ...'
+                              -- or 'once at 2027-01-15 09:00:00 Europe/Berlin'
+    target     text,          -- 'topic <topic>', 'queue <queue>', or 'queue <queue>, each row of <query>'
+    next_run   timestamptz,
+    last_run   timestamptz,
+    fired      bigint,
+    owner      name,
+    last_error text           -- why the last run wrote nothing; NULL after one that went through
 )
 LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT s.name,
            CASE WHEN s.every IS NOT NULL THEN 'every ' || s.every::text
+                WHEN s.at_local IS NOT NULL THEN 'once at ' || s.at_local::text || ' ' || s.zone
                 WHEN s.weekly_on IS NOT NULL
                 THEN 'weekly on ' || (ARRAY['sunday','monday','tuesday','wednesday','thursday','friday','saturday'])[s.weekly_on + 1]
                      || ' at ' || s.daily_at::text || ' ' || s.zone
                 ELSE 'daily at ' || s.daily_at::text || ' ' || s.zone END,
-           CASE WHEN s.topic IS NOT NULL THEN 'topic ' || s.topic ELSE 'queue ' || s.queue END,
-           s.next_run, s.last_run, s.fired, r.rolname
+           CASE WHEN s.topic IS NOT NULL THEN 'topic ' || s.topic
+                WHEN s.each IS NOT NULL THEN 'queue ' || s.queue || ', each row of ' || s.each
+                ELSE 'queue ' || s.queue END,
+           s.next_run, s.last_run, s.fired, r.rolname, s.last_error
       FROM outbox.schedules s LEFT JOIN pg_catalog.pg_roles r ON r.oid = s.owner
      ORDER BY s.name
 $$;

@@ -63,6 +63,10 @@ pub(crate) enum Target<'a> {
         subscription: &'a str,
         ids: &'a [i64],
     },
+    /// The query of an each schedule.
+    Schedule {
+        name: &'a str,
+    },
 }
 
 /// A handler call that ended its worker: found by the worker started in its place.
@@ -70,6 +74,7 @@ pub(crate) enum Target<'a> {
 pub(crate) enum Hung {
     Sink { id: String, neighbour: bool },
     Jobs { subscription: String, ids: Vec<i64> },
+    Schedule { name: String },
 }
 
 /// A slot's life: the launcher takes a free slot for a database (Starting), the worker it starts
@@ -672,6 +677,10 @@ impl HandlerRunning {
                         h.jobs_len = n as u8;
                         subscription
                     }
+                    Target::Schedule { name } => {
+                        h.kind = 4;
+                        name
+                    }
                 };
                 let n = name.len().min(h.name.len());
                 h.name[..n].copy_from_slice(&name.as_bytes()[..n]);
@@ -895,6 +904,7 @@ pub(crate) fn slot_started(slot: usize) -> Option<Hung> {
                     subscription: name,
                     ids: h.jobs[..h.jobs_len as usize].to_vec(),
                 },
+                4 => Hung::Schedule { name },
                 kind => Hung::Sink {
                     id: name,
                     neighbour: kind == 2,

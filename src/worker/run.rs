@@ -52,6 +52,8 @@ struct Worker {
     idle_since: Option<Instant>,
     /// pg_outbox was found installed in the database.
     installed: bool,
+    /// The one-off schedules were placed by this process's zone rules.
+    placed: bool,
     /// A restored log could not be adopted, and the worker said so.
     lineage_warned: bool,
     /// This round did something (delivered, fanned out, ran jobs, fired schedules, sent requests).
@@ -131,6 +133,10 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
                 crate::dispatch::jobs::after_hang(subscription, ids);
                 Ok(())
             }
+            super::Hung::Schedule { name } => {
+                crate::schedule::after_hang(name);
+                Ok(())
+            }
         };
         if let Err(e) = recovered {
             pgrx::warning!("pg_outbox worker {slot}: recording the ended handler call: {e}");
@@ -141,6 +147,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         database,
         idle_since: None,
         installed: false,
+        placed: false,
         lineage_warned: false,
         worked: false,
         warned: None,
@@ -295,6 +302,14 @@ impl Worker {
             return poll;
         }
         self.warned = None;
+        if !self.placed {
+            // Once per process: the zone rules it loaded may be newer than those that placed the
+            // one-off runs.
+            match in_transaction(crate::schedule::place_one_offs) {
+                Ok(()) => self.placed = true,
+                Err(e) => self.failed(&format!("placing one-off runs: {e}")),
+            }
+        }
         // A restored log is adopted as soon as its dumped row is in (crate::lineage).
         match in_transaction(crate::lineage::adopt_if_restored) {
             Ok(()) => self.lineage_warned = false,

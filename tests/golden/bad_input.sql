@@ -897,6 +897,33 @@ SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', every => '1 hour', queue
 SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', every => '1 hour', topic => 'system.tick', payload => '[]')$$);
 SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', every => '1 hour', topic => 'system.tick', payload => '"tick"')$$);
 SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', payload => '1')$$);
+-- at: a one-off run at a local date and time in a zone, nothing of the other forms, not past
+SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', at => '2099-01-01 09:00', topic => 'system.tick')$$);
+SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', at => '2099-01-01 09:00', zone => 'UTC', every => '1 hour', topic => 'system.tick')$$);
+SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', at => '2099-01-01 09:00', zone => 'UTC', daily_at => '09:00', topic => 'system.tick')$$);
+SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', at => '2099-01-01 09:00', zone => 'UTC', weekly_on => 'monday', topic => 'system.tick')$$);
+SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', at => '2099-01-01 09:00', zone => 'PST', topic => 'system.tick')$$);
+SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', at => '2000-01-01 09:00', zone => 'UTC', topic => 'system.tick')$$);
+SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', at => 'infinity', zone => 'UTC', topic => 'system.tick')$$);
+SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', at => '-infinity', zone => 'UTC', topic => 'system.tick')$$);
+SELECT outbox.schedule('sch3', at => 'next tuesday', zone => 'UTC', topic => 'system.tick');
+SELECT outbox.schedule('sch3', at => '2099-02-30 09:00', zone => 'UTC', topic => 'system.tick');
+-- each: one query or a function of no arguments, jobs only, no payload, checked as the caller
+SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', every => '1 hour', topic => 'system.tick', each => 'SELECT 1')$$);
+SELECT pg_temp.refused($$SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', payload => '{"a": 1}', each => 'SELECT 1')$$);
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => '');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => '   ');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => ';');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => 'SELECT 1; SELECT 2');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => 'DELETE FROM outbox.jobs');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => 'SELECT * INTO pg_temp.x FROM outbox.jobs');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => 'SELECT 1) r; DROP TABLE outbox.jobs; SELECT (1');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => 'SELEC 1');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => 'SELECT * FROM no_such_table');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => 'no_such_function');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => 'pg_catalog.lower()');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => E'SELECT 1\u0000');
+SELECT outbox.schedule('sch3', every => '1 hour', queue => 'q1', each => 'WITH d AS (DELETE FROM outbox.jobs RETURNING *) SELECT * FROM d');
 
 -- =================================================================================== unschedule
 SELECT outbox.unschedule(NULL);
@@ -913,7 +940,7 @@ GRANT USAGE ON SCHEMA outbox TO outbox_bad_input;
 GRANT EXECUTE ON FUNCTION outbox.advance(text, text), outbox.rewind(text, text), outbox.drop_consumer(text),
       outbox.create_sink(text, regprocedure, text[], integer, text), outbox.pause_sink(text), outbox.drop_sink(text),
       outbox.replay(text), outbox.subscribe(text, text[], regprocedure, text, text, integer, text),
-      outbox.unsubscribe(text), outbox.schedule(text, interval, time, text, text, text, text, jsonb),
+      outbox.unsubscribe(text), outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
       outbox.unschedule(text), outbox.claim(text, integer, interval), outbox.complete_many(bigint[]),
       outbox.fail(bigint, text, boolean), outbox.extend(bigint, interval), outbox.replay_job(bigint),
       outbox.drop_queue(text, boolean), outbox.grant_queue(text, regrole, boolean, boolean),

@@ -605,7 +605,7 @@ fn scheduling_needs_the_rights_a_run_uses_and_only_the_owner_unschedules() {
     c.batch_execute(&format!(
         "CREATE ROLE {app} LOGIN; CREATE ROLE {other} LOGIN;
          GRANT USAGE ON SCHEMA outbox TO {app}, {other};
-         GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb),
+         GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
                                    outbox.unschedule(text) TO {app}, {other};
          GRANT EXECUTE ON FUNCTION outbox.enqueue(text, jsonb, timestamptz, text, integer) TO {app};"
     ))
@@ -695,7 +695,7 @@ fn set_schedule_creates_or_replaces_in_place_for_its_owner_only() {
     c.batch_execute(&format!(
         "CREATE ROLE {app} LOGIN; CREATE ROLE {other} LOGIN;
          GRANT USAGE ON SCHEMA outbox TO {app}, {other};
-         GRANT EXECUTE ON FUNCTION outbox.set_schedule(text, interval, time, text, text, text, text, jsonb),
+         GRANT EXECUTE ON FUNCTION outbox.set_schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
                                    outbox.schedule_status(),
                                    outbox.raise(text, jsonb, text, text, jsonb) TO {app}, {other};"
     ))
@@ -753,4 +753,323 @@ fn set_schedule_creates_or_replaces_in_place_for_its_owner_only() {
         "42501"
     );
     assert_eq!(row(&mut a).1, app);
+}
+
+#[test]
+fn a_one_off_run_is_placed_by_its_zones_rules_fires_once_and_is_gone() {
+    let db = test_db("sched_at");
+    let mut c = db.connect();
+    for (sql, code) in [
+        ("SELECT outbox.schedule('s', at => '2099-01-01 09:00', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', at => '2099-01-01 09:00', zone => 'UTC', every => '1 hour', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', at => '2099-01-01 09:00', zone => 'UTC', daily_at => '09:00', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', at => '2099-01-01 09:00', zone => 'UTC', weekly_on => 'monday', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', at => '2099-01-01 09:00', zone => 'PST', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', at => '2001-01-01 09:00', zone => 'UTC', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', at => 'infinity', zone => 'UTC', queue => 'q')", "22023"),
+        ("SELECT outbox.schedule('s', at => 'tomorrow at nine', zone => 'UTC', queue => 'q')", "22007"),
+    ] {
+        assert_eq!(sqlstate(&mut c, sql), code, "{sql}");
+    }
+    // Placed as daily_at is: a repeated local time at its first occurrence, a skipped one at the
+    // end of the gap (New York, 2027: fall back on 7 November, spring forward on 14 March).
+    for (at, zone, expected) in [
+        (
+            "2027-11-07 01:30",
+            "America/New_York",
+            "2027-11-07 05:30:00",
+        ),
+        (
+            "2027-03-14 02:30",
+            "America/New_York",
+            "2027-03-14 07:00:00",
+        ),
+        ("2027-10-31 02:30", "Europe/Berlin", "2027-10-31 00:30:00"),
+        (
+            "2027-04-04 02:30",
+            "Australia/Sydney",
+            "2027-04-03 15:30:00",
+        ),
+        ("2027-01-15 09:00", "Asia/Kolkata", "2027-01-15 03:30:00"),
+    ] {
+        let first = utc(
+            &mut c,
+            &format!("outbox.schedule('once', at => '{at}', zone => '{zone}', queue => 'q')"),
+        );
+        assert_eq!(first, expected, "{at} in {zone}");
+        let form: String = c
+            .query_one(
+                "SELECT form FROM outbox.schedule_status() WHERE name = 'once'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        assert_eq!(form, format!("once at {at}:00 {zone}"));
+        c.batch_execute("SELECT outbox.unschedule('once')").unwrap();
+    }
+    // A worker that starts places the runs again by the zone rules it has: a tz database update
+    // that moved the zone's clocks (here: a run left at a wrong instant) moves the run.
+    let placed = utc(
+        &mut c,
+        "outbox.schedule('once', at => '2099-06-01 12:00', zone => 'Europe/Berlin', queue => 'q')",
+    );
+    c.batch_execute(
+        "UPDATE outbox.schedules SET next_run = next_run + interval '1 hour' WHERE name = 'once'",
+    )
+    .unwrap();
+    let moved: i32 = c
+        .query_one("SELECT outbox._place_one_offs()", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(moved, 1);
+    assert_eq!(
+        utc(
+            &mut c,
+            "(SELECT next_run FROM outbox.schedules WHERE name = 'once')"
+        ),
+        placed
+    );
+}
+
+#[test]
+fn the_workers_fire_a_one_off_run_once_then_drop_it() {
+    let db = worker_db("sched_at_worker");
+    let mut c = db.connect();
+    // Two seconds from now on Kolkata's clock (+05:30): a job and an event.
+    c.batch_execute(
+        "SELECT outbox.schedule('remind-q', at => date_trunc('second', (now() AT TIME ZONE 'Asia/Kolkata') + interval '2 seconds'),
+                                zone => 'Asia/Kolkata', queue => 'reminders', payload => '{\"to\": \"ada\"}');
+         SELECT outbox.schedule('remind-e', at => date_trunc('second', (now() AT TIME ZONE 'Asia/Kolkata') + interval '2 seconds'),
+                                zone => 'Asia/Kolkata', topic => 'reminder.due');",
+    )
+    .unwrap();
+    let due = utc(
+        &mut c,
+        "(SELECT next_run FROM outbox.schedules WHERE name = 'remind-q')",
+    );
+    eventually("both one-off runs to fire", Duration::from_secs(15), || {
+        let left: i64 = c
+            .query_one(
+                "SELECT count(*) FROM outbox.schedules WHERE name LIKE 'remind-%'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        (left == 0).then_some(())
+    });
+    let job = c
+        .query_one(
+            "SELECT payload::text, key, to_char(split_part(key, '@', 2)::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
+               FROM outbox.jobs WHERE queue = 'reminders'",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(job.get::<_, String>(0), r#"{"to": "ada"}"#);
+    assert!(job.get::<_, String>(1).starts_with("remind-q@"));
+    assert_eq!(job.get::<_, String>(2), due, "the job is of the run due");
+    let events: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.events WHERE topic = 'reminder.due' AND headers->>'schedule' = 'remind-e'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(events, 1);
+    // Gone, and nothing fires again.
+    std::thread::sleep(Duration::from_millis(1500));
+    let jobs: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'reminders'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(jobs, 1);
+}
+
+#[test]
+fn an_each_schedule_queues_one_job_per_row_as_its_owner() {
+    let db = worker_db("sched_each");
+    let mut c = db.connect();
+    let (app, other) = (
+        format!("each_app_{}", db.name),
+        format!("each_other_{}", db.name),
+    );
+    c.batch_execute(&format!(
+        "CREATE ROLE {app} LOGIN; CREATE ROLE {other} LOGIN;
+         GRANT USAGE ON SCHEMA outbox TO {app}, {other};
+         GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
+                                   outbox.set_schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
+                                   outbox.schedule_status(), outbox.unschedule(text),
+                                   outbox.enqueue(text, jsonb, timestamptz, text, integer),
+                                   outbox.raise(text, jsonb, text, text, jsonb),
+                                   outbox.claim(text, integer, interval), outbox.complete(bigint) TO {app}, {other};
+         CREATE TABLE public.secret (v text); INSERT INTO public.secret VALUES ('s3cr3t');
+         CREATE TABLE public.digests (user_id int, email text, due boolean);
+         ALTER TABLE public.digests OWNER TO {app};
+         INSERT INTO public.digests VALUES (1, 'a@example.com', true), (2, 'b@example.com', true),
+                                           (3, 'c@example.com', false);
+         CREATE FUNCTION public.digest_rows() RETURNS SETOF jsonb LANGUAGE sql AS
+           $$ SELECT jsonb_build_object('user', user_id) FROM public.digests WHERE due $$;
+         ALTER FUNCTION public.digest_rows() OWNER TO {app};
+         CREATE TABLE public.fail_each (fail boolean); INSERT INTO public.fail_each VALUES (false);
+         ALTER TABLE public.fail_each OWNER TO {app};
+         CREATE FUNCTION public.maybe_fail() RETURNS SETOF jsonb LANGUAGE plpgsql AS $$
+         BEGIN
+           IF (SELECT fail FROM public.fail_each) THEN RAISE EXCEPTION 'the digest source is down'; END IF;
+           RETURN QUERY SELECT jsonb_build_object('ok', true);
+         END $$;
+         ALTER FUNCTION public.maybe_fail() OWNER TO {app};"
+    ))
+    .unwrap();
+    let mut a = db.connect_as(&app);
+    for (sql, code) in [
+        // Jobs only, and the rows are the payloads.
+        ("SELECT outbox.schedule('e', every => '1 hour', topic => 't', each => 'SELECT 1')", "22023"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', payload => '{\"a\": 1}', each => 'SELECT 1')", "22023"),
+        // One query.
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => '')", "22023"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'SELECT 1; SELECT 2')", "22023"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'DELETE FROM public.digests')", "22023"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'SELECT 1) r; DELETE FROM public.digests; SELECT (1')", "42601"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'SELECT * INTO public.copy FROM public.digests')", "22023"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'WITH d AS (DELETE FROM public.digests RETURNING *) SELECT * FROM d')", "0A000"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'SELEC 1')", "42601"),
+        // Checked with the caller's rights and the search_path it runs with.
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'SELECT * FROM public.secret')", "42501"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'SELECT * FROM nowhere')", "42P01"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'no_such_function')", "42883"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'pg_catalog.lower')", "42883"),
+    ] {
+        assert_eq!(sqlstate(&mut a, sql), code, "{sql}");
+    }
+    a.batch_execute(
+        "SELECT outbox.schedule('digest', every => '1 second', queue => 'digests',
+                                each => 'SELECT user_id, email, current_user AS who FROM digests WHERE due;');
+         SELECT outbox.schedule('digest-fn', every => '1 second', queue => 'digests-fn', each => 'digest_rows');
+         SELECT outbox.schedule('flaky', every => '1 second', queue => 'flaky', each => 'maybe_fail()');",
+    )
+    .unwrap();
+    let payloads = |c: &mut pg_outbox_tests::postgres::Client, queue: &str| -> Vec<String> {
+        c.query(
+            "SELECT payload::text FROM outbox.jobs WHERE queue = $1 ORDER BY payload::text",
+            &[&queue],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+    };
+    eventually("three runs of each", Duration::from_secs(20), || {
+        (fired(&mut c, "digest") >= 3 && fired(&mut c, "digest-fn") >= 3).then_some(())
+    });
+    // One job per row, whatever the number of runs: a row whose job waits gets no second.
+    assert_eq!(
+        payloads(&mut c, "digests"),
+        [
+            format!(r#"{{"who": "{app}", "email": "a@example.com", "user_id": 1}}"#),
+            format!(r#"{{"who": "{app}", "email": "b@example.com", "user_id": 2}}"#),
+        ],
+        "the rows, as the owner saw them"
+    );
+    assert_eq!(
+        payloads(&mut c, "digests-fn"),
+        [r#"{"user": 1}"#, r#"{"user": 2}"#],
+        "a function's jsonb rows are the payloads"
+    );
+    // A job done, its row is queued again at the next run; a row that became due is queued too.
+    let done: i64 = a
+        .query_one("SELECT id FROM outbox.claim('digests', 1, '1 minute')", &[])
+        .unwrap()
+        .get(0);
+    a.batch_execute(&format!(
+        "SELECT outbox.complete({done}); UPDATE public.digests SET due = true WHERE user_id = 3;"
+    ))
+    .unwrap();
+    eventually(
+        "the completed row and the new one queued",
+        Duration::from_secs(10),
+        || {
+            let waiting: i64 = c
+            .query_one(
+                "SELECT count(*) FROM outbox.jobs WHERE queue = 'digests' AND state = 'waiting'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+            (waiting == 3).then_some(())
+        },
+    );
+    // A query that fails queues nothing, says why, and the schedule goes on.
+    c.batch_execute("UPDATE public.fail_each SET fail = true")
+        .unwrap();
+    let fired_then = fired(&mut c, "flaky");
+    eventually("a failed run", Duration::from_secs(10), || {
+        let e: Option<String> = a
+            .query_one(
+                "SELECT last_error FROM outbox.schedule_status() WHERE name = 'flaky'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        e.filter(|e| e.contains("the digest source is down"))
+    });
+    assert!(fired(&mut c, "flaky") > fired_then);
+    c.batch_execute(
+        "UPDATE public.fail_each SET fail = false; DELETE FROM outbox.jobs WHERE queue = 'flaky'",
+    )
+    .unwrap();
+    eventually(
+        "a run that goes through again",
+        Duration::from_secs(10),
+        || {
+            let r = c
+            .query_one(
+                "SELECT last_error IS NULL, (SELECT count(*) FROM outbox.jobs WHERE queue = 'flaky')
+                   FROM outbox.schedule_status() WHERE name = 'flaky'",
+                &[],
+            )
+            .unwrap();
+            (r.get::<_, bool>(0) && r.get::<_, i64>(1) == 1).then_some(())
+        },
+    );
+    // The query runs as the owner: a role that may not read a table it names gets no rows of
+    // it, and no run reads as the superuser. (Revoked after scheduling: the run fails.)
+    c.batch_execute(&format!(
+        "GRANT SELECT ON public.secret TO {other}; GRANT USAGE ON SCHEMA outbox TO {other};"
+    ))
+    .unwrap();
+    let mut o = db.connect_as(&other);
+    o.batch_execute(
+        "SELECT outbox.schedule('peek', every => '1 second', queue => 'peek', each => 'SELECT v FROM public.secret')",
+    )
+    .unwrap();
+    c.batch_execute(&format!("REVOKE SELECT ON public.secret FROM {other}"))
+        .unwrap();
+    eventually("the run to be refused", Duration::from_secs(10), || {
+        let e: Option<String> = o
+            .query_one(
+                "SELECT last_error FROM outbox.schedule_status() WHERE name = 'peek'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        e.filter(|e| e.contains("permission denied"))
+    });
+    let peeked: i64 = c
+        .query_one("SELECT count(*) FROM outbox.jobs WHERE queue = 'peek'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(peeked, 0);
+    assert!(
+        db.cluster()
+            .log()
+            .contains("schedule \"flaky\" skipped a run"),
+        "the failure is in the server log"
+    );
+    for name in ["digest", "digest-fn", "flaky"] {
+        a.batch_execute(&format!("SELECT outbox.unschedule('{name}')"))
+            .unwrap();
+    }
+    o.batch_execute("SELECT outbox.unschedule('peek')").unwrap();
 }

@@ -1877,7 +1877,7 @@ fn a_schedule_whose_owner_lost_its_rights_skips_its_runs() {
         &[
             APP_GRANTS,
             JOB_GRANTS,
-            "GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb),
+            "GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
                  outbox.unschedule(text) TO {r};",
         ],
     );
@@ -2051,7 +2051,7 @@ fn a_key_given_to_enqueue_cannot_stand_in_for_a_schedules_run() {
         "reports",
         &[
             JOB_GRANTS,
-            "GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb),
+            "GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
                  outbox.unschedule(text) TO {r};",
         ],
     );

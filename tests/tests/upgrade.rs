@@ -224,7 +224,8 @@ const GRANTS: &str = "
         outbox.subscribe(text, text[], regprocedure, text, text, integer, text) TO up_app;
     GRANT EXECUTE ON FUNCTION outbox.enqueue(text, jsonb, timestamptz, text, integer),
         outbox.claim(text, integer, interval), outbox.complete(bigint),
-        outbox.fail(bigint, text, boolean) TO up_mailer;";
+        outbox.fail(bigint, text, boolean) TO up_mailer;
+    GRANT EXECUTE ON FUNCTION outbox.schedule, outbox.schedule_status TO up_app;";
 
 /// The application's own objects: the handlers and the table they fill.
 const USER_OBJECTS: &str = "
@@ -495,6 +496,15 @@ fn upgrade(cluster: &Cluster, tree: &Tree) {
             "SELECT count(*) FROM outbox.schedule_status() WHERE name = 'hourly'"
         ),
         1
+    );
+    // schedule() and schedule_status() changed shape and were made again: their grants stay.
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM pg_proc p WHERE p.oid IN ('outbox.schedule'::regproc, 'outbox.schedule_status'::regproc) \
+              AND has_function_privilege('up_app', p.oid, 'EXECUTE') AND pronargs IN (0, 10)"
+        ),
+        2
     );
     // A handler subscription owns the queue of its name, even when another role's subscription
     // named it first; that role keeps feeding it.

@@ -19,11 +19,15 @@ fi
 need=()
 # postgresql-15-pgq3 and pgqd: PgQ, the peer the benchmarks measure pg_outbox against;
 # python3-matplotlib draws the benchmark report's charts; prometheus-postgres-exporter is the
-# exporter contrib/postgres_exporter/pg_outbox.yaml is written for (the metrics test runs it).
+# exporter contrib/postgres_exporter/pg_outbox.yaml is written for (the metrics test runs it);
+# python3-psycopg runs examples/python/worker.py (the examples test runs it with /usr/bin/python3).
 for p in postgresql-15 postgresql-server-dev-15 postgresql-contrib libclang-dev clang pkg-config \
-         libssl-dev sudo postgresql-15-pgq3 pgqd python3-matplotlib prometheus-postgres-exporter; do
+         libssl-dev sudo postgresql-15-pgq3 pgqd python3-matplotlib prometheus-postgres-exporter \
+         python3-psycopg; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
+# The machine's Node.js and npm run examples/node/worker.js; Debian's only where there are none.
+command -v npm >/dev/null || need+=(nodejs npm)
 if ((${#need[@]})); then
   say "installing Debian packages: ${need[*]}"
   apt-get update -qq
@@ -40,6 +44,14 @@ fi
 if ! grep -qs "^pg15 = \"$PG_CONFIG\"" "${PGRX_HOME:-$HOME/.pgrx}/config.toml"; then
   say "cargo pgrx init --pg15 $PG_CONFIG"
   cargo pgrx init --pg15 "$PG_CONFIG" >/dev/null
+fi
+
+# The Node.js example's dependencies, as its package-lock.json pins them: installed again when
+# the lock file is newer than node_modules (the touch marks when npm ci ran).
+node_example="$(cd "$(dirname "$0")/../examples/node" && pwd)"
+if [ ! -d "$node_example/node_modules" ] || [ "$node_example/package-lock.json" -nt "$node_example/node_modules" ]; then
+  say "npm ci in examples/node"
+  (cd "$node_example" && npm ci --no-audit --no-fund --loglevel=error >/dev/null && touch node_modules)
 fi
 
 # Postgres refuses root: tests run initdb/pg_ctl as postgres (through sudo) under a short parent

@@ -20,6 +20,12 @@ use pgrx::prelude::*;
 use pgrx::spi::OwnedPreparedStatement;
 use pgrx::{IntoDatum, PgMemoryContexts, PgOid};
 
+/// One notification per queue on the channel external job workers LISTEN on, `outbox_jobs`, with
+/// the queue's name as the payload ($1: the queues). Sent only by the workers, in their own
+/// transactions, and delivered when they commit (PostgreSQL sends one per distinct payload).
+pub const NOTIFY_SQL: &str =
+    "SELECT pg_catalog.pg_notify('outbox_jobs', q) FROM pg_catalog.unnest($1::text[]) q";
+
 /// Runs `SELECT outbox._<function>(args..., who)` as the log's owner, with the caller as `who`
 /// (the calls that are not on the hot path: no kept plan).
 fn run(sql: &str, mut args: Vec<DatumWithOid<'_>>) {
@@ -128,11 +134,23 @@ unsafe impl SqlTranslatable for Job {
 
 /// Creates the queue `name`, owned by the caller. 42710 if it exists. (`enqueue` and
 /// `subscribe` create a queue they name that does not exist yet; this reserves a name first.)
+/// With `expire_after`, a job for external workers that nobody claims within that long after it
+/// is due dies with the error 'expired'.
 #[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
-fn create_queue(name: Option<&str>) {
+fn create_queue(name: Option<&str>, expire_after: default!(Option<Interval>, "NULL")) {
     run(
-        "SELECT outbox._create_queue($1, $2)",
-        vec![DatumWithOid::from(name)],
+        "SELECT outbox._create_queue($1, $2, $3)",
+        vec![DatumWithOid::from(name), DatumWithOid::from(expire_after)],
+    );
+}
+
+/// Sets the queue's `expire_after` (NULL: its jobs wait until claimed); only members of its
+/// owner may.
+#[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
+fn alter_queue(name: Option<&str>, expire_after: Option<Interval>) {
+    run(
+        "SELECT outbox._alter_queue($1, $2, $3)",
+        vec![DatumWithOid::from(name), DatumWithOid::from(expire_after)],
     );
 }
 
@@ -195,7 +213,7 @@ fn enqueue(
     key: default!(Option<&str>, "NULL"),
     max_attempts: default!(Option<i32>, "10"),
 ) -> Option<i64> {
-    execute_one::<i64>(
+    let id = execute_one::<i64>(
         &ENQUEUE,
         vec![
             DatumWithOid::from(queue),
@@ -207,7 +225,15 @@ fn enqueue(
             DatumWithOid::from(key),
             DatumWithOid::from(max_attempts),
         ],
-    )
+    );
+    // Due now: its queue's external workers are woken once this transaction commits (a job due
+    // later is announced by the workers when it comes due).
+    // SAFETY: reads the statement's start time, as now() does.
+    let now = unsafe { pg_sys::GetCurrentStatementStartTimestamp() };
+    if let (Some(queue), true) = (queue, run_at.is_none_or(|t| i64::from(t) <= now)) {
+        crate::worker::announce_at_commit(queue);
+    }
+    id
 }
 
 /// Claims up to `max_jobs` due jobs of `queue` (see `outbox._claim` for leases).
@@ -316,8 +342,14 @@ fn extend(job: Option<i64>, lease: default!(Option<Interval>, "'30 seconds'")) -
 /// Puts a dead job back in its queue, with its attempts reset. Logged.
 #[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
 fn replay_job(job: Option<i64>) {
-    run(
-        "SELECT outbox._replay_job($1, $2)",
-        vec![DatumWithOid::from(job)],
-    );
+    let queue = as_owner(|| {
+        Spi::get_one_with_args::<String>(
+            "SELECT outbox._replay_job($1, $2)",
+            &[DatumWithOid::from(job), DatumWithOid::from(caller())],
+        )
+    })
+    .unwrap_or_else(|e| panic!("replaying job: {e}"));
+    if let Some(queue) = queue {
+        crate::worker::announce_at_commit(&queue);
+    }
 }

@@ -11,9 +11,15 @@
 -- the log, passing the caller, and these check it. Nobody else can call them usefully: they are
 -- SECURITY INVOKER too, and only the log's owner may touch these tables.
 CREATE TABLE outbox.queues (
-    name       text        NOT NULL PRIMARY KEY,
-    owner      regrole     NOT NULL,
-    created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
+    name         text        NOT NULL PRIMARY KEY,
+    owner        regrole     NOT NULL,
+    created_at   timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    -- A job for external workers that nobody claimed within this long after its run_at dies,
+    -- with last_error 'expired' (NULL: jobs wait until claimed). outbox._announce_jobs().
+    expire_after interval,
+    CONSTRAINT queues_expire_after CHECK (
+        EXTRACT(YEAR FROM expire_after) = 0 AND EXTRACT(MONTH FROM expire_after) = 0
+        AND EXTRACT(EPOCH FROM expire_after) BETWEEN 1 AND 3650 * 86400)
 );
 
 CREATE TABLE outbox.queue_grants (
@@ -130,11 +136,28 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox._create_queue(name text, who oid) RETURNS void
+-- Refuses an expire_after that is not a fixed length of 1 second to 3650 days (NULL: never).
+CREATE FUNCTION outbox._check_expire_after(expire_after interval) RETURNS void
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF extract(year FROM expire_after) <> 0 OR extract(month FROM expire_after) <> 0 THEN
+        RAISE EXCEPTION 'expire_after must not have months or years, not %', expire_after
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'use days (''30 days'')';
+    END IF;
+    IF extract(epoch FROM expire_after) < 1 OR extract(epoch FROM expire_after) > 3650 * 86400 THEN
+        RAISE EXCEPTION 'expire_after must be between 1 second and 3650 days, not %', expire_after
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'NULL: jobs wait until they are claimed';
+    END IF;
+END
+$$;
+
+CREATE FUNCTION outbox._create_queue(name text, expire_after interval, who oid) RETURNS void
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM outbox._check_queue(name);
-    INSERT INTO outbox.queues AS q (name, owner) VALUES (name, who) ON CONFLICT DO NOTHING;
+    PERFORM outbox._check_expire_after(expire_after);
+    INSERT INTO outbox.queues AS q (name, owner, expire_after) VALUES (name, who, expire_after)
+    ON CONFLICT DO NOTHING;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'queue "%" already exists', name USING ERRCODE = 'duplicate_object';
     END IF;
@@ -157,6 +180,17 @@ BEGIN
             USING ERRCODE = 'insufficient_privilege';
     END IF;
     RETURN owner;
+END
+$$;
+
+-- Sets the queue's expire_after (NULL: jobs wait until claimed); only members of its owner may.
+-- Jobs already waiting are judged by the new one.
+CREATE FUNCTION outbox._alter_queue(name text, expire_after interval, who oid) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM outbox._owned_queue(name, who, 'alter it');
+    PERFORM outbox._check_expire_after(expire_after);
+    UPDATE outbox.queues q SET expire_after = _alter_queue.expire_after WHERE q.name = _alter_queue.name;
 END
 $$;
 
@@ -493,7 +527,9 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox._replay_job(job bigint, who oid) RETURNS void
+-- Returns the job's queue when external workers claim it (NULL for a job a worker runs), so the
+-- caller can announce it (src/queue.rs).
+CREATE FUNCTION outbox._replay_job(job bigint, who oid) RETURNS text
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     was outbox.jobs;
@@ -513,6 +549,70 @@ BEGIN
      WHERE id = job;
     RAISE LOG 'pg_outbox: job % of queue "%" replayed by role % after % attempts (dead since %)',
         job, was.queue, who::regrole, was.attempts, coalesce(was.dead_at::text, 'before 0.2.0');
+    RETURN CASE WHEN was.handler IS NULL THEN was.queue END;
+END
+$$;
+
+-- Wake-ups for external workers, and expiry: one round of the workers (src/worker/run.rs), in a
+-- transaction of its own. Sends one NOTIFY outbox_jobs, '<queue>' per queue of external workers
+-- that got jobs to claim: those in `queues` (committed by applications, announced through shared
+-- memory: an application's transaction never notifies, as NOTIFY serialises committers), those
+-- whose waiting jobs' run_at passed after `since` (delayed jobs, retries after a failure), those
+-- with running jobs whose lease lapsed after `leases_since` (NULL: not looked for), and with
+-- `every` every queue
+-- with jobs to claim (a worker that starts, or more announcements than shared memory held). Jobs
+-- that nobody claimed within their queue's expire_after die first ('expired'). The
+-- notifications go out when this commits; they carry nothing but the queue's name.
+-- Returns the time it looked (the next `since`) and the milliseconds until the next waiting job
+-- comes due or expires (NULL: none).
+CREATE FUNCTION outbox._announce_jobs(queues text[], since timestamptz, leases_since timestamptz, every boolean,
+                                      OUT checked timestamptz, OUT due_in bigint, OUT notified integer)
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    q text;
+BEGIN
+    checked := now();
+    notified := 0;
+    -- A job held by a claim without a lease (a row lock) is being worked on: skipped.
+    WITH old AS (
+        SELECT j.id, x.expire_after
+          FROM outbox.queues x JOIN outbox.jobs j ON j.queue = x.name
+         WHERE x.expire_after IS NOT NULL AND j.state = 'waiting' AND j.attempts = 0
+           AND j.handler IS NULL AND j.run_at <= now() - x.expire_after
+           FOR UPDATE OF j SKIP LOCKED)
+    UPDATE outbox.jobs j
+       SET state = 'dead', dead_at = now(),
+           last_error = format('expired: nobody claimed it within %s', old.expire_after)
+      FROM old
+     WHERE j.id = old.id;
+    FOR q IN
+        SELECT x.name FROM outbox.queues x
+         WHERE NOT EXISTS (SELECT FROM outbox.subscriptions s WHERE s.queue = x.name AND s.handler IS NOT NULL)
+           AND (x.name = ANY (queues)
+                OR EXISTS (SELECT FROM outbox.jobs j
+                            WHERE j.queue = x.name AND j.state = 'waiting' AND j.run_at <= now()
+                              AND (every OR j.run_at > since) AND j.handler IS NULL)
+                OR ((every OR leases_since IS NOT NULL) AND EXISTS (SELECT FROM outbox.jobs j
+                            WHERE j.queue = x.name AND j.state = 'running' AND j.lease_until <= now()
+                              AND (every OR j.lease_until > leases_since) AND j.handler IS NULL)))
+         ORDER BY x.name
+    LOOP
+        PERFORM pg_notify('outbox_jobs', q);
+        notified := notified + 1;
+    END LOOP;
+    -- The next job to come due, and the next to expire (the oldest waiting job of a queue that
+    -- expires them; one that was claimed before never expires, and is passed over).
+    SELECT greatest(0, ceil(extract(epoch FROM least(min(n.run_at), min(e.expires)) - clock_timestamp()) * 1000))::bigint
+      INTO due_in
+      FROM outbox.queues x
+      LEFT JOIN LATERAL (SELECT j.run_at FROM outbox.jobs j
+                          WHERE j.queue = x.name AND j.state <> 'dead' AND j.run_at > now()
+                          ORDER BY j.run_at LIMIT 1) n ON true
+      LEFT JOIN LATERAL (SELECT j.run_at + x.expire_after AS expires FROM outbox.jobs j
+                          WHERE x.expire_after IS NOT NULL AND j.queue = x.name AND j.state = 'waiting'
+                            AND j.attempts = 0 AND j.handler IS NULL
+                          ORDER BY j.run_at LIMIT 1) e ON true
+     WHERE NOT EXISTS (SELECT FROM outbox.subscriptions s WHERE s.queue = x.name AND s.handler IS NOT NULL);
 END
 $$;
 

@@ -425,6 +425,7 @@ CREATE FUNCTION outbox._fire_schedules() RETURNS integer
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     n integer;
+    queues text[];
     denied text[];
     d text;
 BEGIN
@@ -459,7 +460,7 @@ BEGIN
           FROM fired f
          WHERE f.allowed AND f.queue IS NOT NULL
         ON CONFLICT (queue, schedule, key) WHERE schedule IS NOT NULL AND state = 'waiting' DO NOTHING
-        RETURNING j.id
+        RETURNING j.id, j.queue
     )
     -- count(x) evaluates x for every row: each run raises once (raise() never returns NULL).
     SELECT count(CASE WHEN f.allowed AND f.topic IS NOT NULL
@@ -468,9 +469,12 @@ BEGIN
                  END) + (SELECT count(*) FROM queued),
            array_agg(format('schedule "%s" skipped a run: %s', f.name,
                             outbox._schedule_denied(f.owner, f.topic, f.queue)))
-               FILTER (WHERE NOT f.allowed)
-      INTO n, denied
+               FILTER (WHERE NOT f.allowed),
+           (SELECT array_agg(DISTINCT q.queue) FROM queued q)
+      INTO n, denied, queues
       FROM fired f;
+    -- External workers of the queues that got jobs are woken when this commits.
+    PERFORM pg_notify('outbox_jobs', q) FROM unnest(queues) q;
     FOREACH d IN ARRAY coalesce(denied, '{}') LOOP
         RAISE WARNING 'pg_outbox: %', d USING HINT = 'grant the right back, or outbox.unschedule() it';
     END LOOP;
@@ -507,6 +511,10 @@ BEGIN
           FROM unnest(rows) r
         ON CONFLICT (queue, schedule, key) WHERE schedule IS NOT NULL AND state = 'waiting' DO NOTHING;
         GET DIAGNOSTICS n = ROW_COUNT;
+        IF n > 0 THEN
+            -- External workers of the queue are woken when this commits.
+            PERFORM pg_notify('outbox_jobs', s.queue);
+        END IF;
     END IF;
     IF s.at_local IS NOT NULL THEN
         DELETE FROM outbox.schedules x WHERE x.name = s.name;

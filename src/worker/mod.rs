@@ -123,6 +123,9 @@ pub struct Slot {
     /// A commit wanted it while it was in a round. The latch alone is not enough: a handler
     /// that waits (pg_sleep, a lock) resets the latch, and the wake would be lost.
     woken: bool,
+    /// Commits announced more queues than `WorkerTable::announced` holds: the worker notifies
+    /// every queue of its database that has jobs to claim (see `announce_at_commit`).
+    announce_all: bool,
     started_at: i64,
     last_pass_at: i64,
     passes: u64,
@@ -150,6 +153,7 @@ impl Default for Slot {
             requested_at: 0,
             busy: false,
             woken: false,
+            announce_all: false,
             started_at: 0,
             last_pass_at: 0,
             passes: 0,
@@ -221,6 +225,39 @@ pub struct WorkerTable {
     /// (database, job id) of jobs whose batch ended its worker: they run one by one from then on.
     suspects: [(u32, i64); SUSPECTS],
     suspects_next: usize,
+    /// Queues that committed transactions gave jobs to claim, for a worker of their database to
+    /// NOTIFY (see `announce_at_commit`).
+    announced: [Announced; ANNOUNCED],
+}
+
+/// Queues announced at once, all databases together; past that, `Slot::announce_all`.
+const ANNOUNCED: usize = 256;
+/// Queues one transaction announces by name; past that, every queue of its database.
+const ANNOUNCED_PER_TRANSACTION: usize = 16;
+
+/// A queue (by name, in a database) with new jobs to claim, not yet notified.
+#[derive(Clone, Copy)]
+struct Announced {
+    /// 0: a free entry.
+    database: u32,
+    len: u8,
+    name: [u8; 63],
+}
+
+impl Default for Announced {
+    fn default() -> Self {
+        Announced {
+            database: 0,
+            len: 0,
+            name: [0; 63],
+        }
+    }
+}
+
+impl Announced {
+    fn name(&self) -> &[u8] {
+        &self.name[..self.len as usize]
+    }
 }
 
 impl Default for WorkerTable {
@@ -235,6 +272,7 @@ impl Default for WorkerTable {
             http_leases: [HttpLease::default(); HTTP_LEASES],
             suspects: [(0, 0); SUSPECTS],
             suspects_next: 0,
+            announced: [Announced::default(); ANNOUNCED],
         }
     }
 }
@@ -852,6 +890,131 @@ fn register_wake() {
     });
 }
 
+/// The queues this transaction gave jobs that external workers claim (`all`: more than
+/// `ANNOUNCED_PER_TRANSACTION`).
+#[derive(Default)]
+struct Announcing {
+    queues: Vec<String>,
+    all: bool,
+}
+
+thread_local! {
+    static ANNOUNCING: std::cell::RefCell<Option<Announcing>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Announces at commit that `queue` has new jobs to claim: a worker of this database then sends
+/// `NOTIFY outbox_jobs, '<queue>'` in its own transaction. An application's transaction never
+/// notifies itself: NOTIFY takes a lock that serialises every committing notifier. A rollback
+/// announces nothing.
+pub fn announce_at_commit(queue: &str) {
+    if !preloaded() {
+        return;
+    }
+    let first = ANNOUNCING.with(|a| {
+        let mut a = a.borrow_mut();
+        let first = a.is_none();
+        let pending = a.get_or_insert_with(Announcing::default);
+        if !pending.all && !pending.queues.iter().any(|q| q == queue) {
+            if pending.queues.len() < ANNOUNCED_PER_TRANSACTION && queue.len() <= 63 {
+                pending.queues.push(queue.to_string());
+            } else {
+                pending.all = true;
+            }
+        }
+        first
+    });
+    if first {
+        pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
+            if let Some(pending) = ANNOUNCING.with(|a| a.borrow_mut().take()) {
+                publish(&pending);
+                wake_one();
+            }
+        });
+        pgrx::register_xact_callback(PgXactCallbackEvent::Abort, || {
+            ANNOUNCING.with(|a| a.borrow_mut().take());
+        });
+    }
+}
+
+/// Puts a committed transaction's announcements in shared memory. In a commit callback: no
+/// allocation, no ERROR.
+fn publish(pending: &Announcing) {
+    let database = my_database();
+    let mut table = WORKERS.exclusive();
+    let mut all = pending.all;
+    for queue in &pending.queues {
+        let queue = queue.as_bytes();
+        if table
+            .announced
+            .iter()
+            .any(|e| e.database == database && e.name() == queue)
+        {
+            continue;
+        }
+        let free = match table.announced.iter().position(|e| e.database == 0) {
+            Some(free) => Some(free),
+            None => {
+                // Entries of databases no worker serves now wait for nobody: their next worker
+                // announces every queue when it starts.
+                for i in 0..ANNOUNCED {
+                    let db = table.announced[i].database;
+                    if !table.slots.iter().any(|s| s.serving(db)) {
+                        table.announced[i] = Announced::default();
+                    }
+                }
+                table.announced.iter().position(|e| e.database == 0)
+            }
+        };
+        match free {
+            Some(i) => {
+                let e = &mut table.announced[i];
+                e.database = database;
+                e.len = queue.len() as u8;
+                e.name[..queue.len()].copy_from_slice(queue);
+            }
+            None => {
+                all = true;
+                break;
+            }
+        }
+    }
+    if all {
+        for s in table.slots.iter_mut().filter(|s| s.serving(database)) {
+            s.announce_all = true;
+        }
+    }
+}
+
+/// Takes the announcements for this worker's database: the queues named, and whether every
+/// queue is to be notified.
+pub(crate) fn take_announced(slot: usize) -> (Vec<String>, bool) {
+    let database = my_database();
+    let any = {
+        let table = WORKERS.share();
+        table.announced.iter().any(|e| e.database == database)
+            || table.slots.get(slot).is_some_and(|s| s.announce_all)
+    };
+    if !any {
+        return (Vec::new(), false);
+    }
+    let mut table = WORKERS.exclusive();
+    let mut queues = Vec::new();
+    for e in table
+        .announced
+        .iter_mut()
+        .filter(|e| e.database == database)
+    {
+        queues.push(String::from_utf8_lossy(e.name()).into_owned());
+        *e = Announced::default();
+    }
+    let mut all = false;
+    for s in table.slots.iter_mut().filter(|s| s.database == database) {
+        all |= s.announce_all;
+        s.announce_all = false;
+    }
+    (queues, all)
+}
+
 fn with_slot(slot: usize, f: impl FnOnce(&mut Slot)) {
     if let Some(s) = WORKERS.exclusive().slots.get_mut(slot) {
         f(s)
@@ -965,7 +1128,8 @@ pub(crate) fn set_has_sinks(has: bool) {
     }
 }
 
-/// Whether this worker is the first of its database (the lowest slot): it prunes.
+/// Whether this worker is the first of its database (the lowest slot): it prunes, and announces
+/// the jobs that come due with time.
 pub(crate) fn first_of_database(slot: usize) -> bool {
     let database = my_database();
     WORKERS

@@ -15,6 +15,7 @@ use crate::dispatch::{self, PassResult};
 use crate::settings;
 use crate::transaction::in_transaction;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
+use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,11 @@ fn installed() -> Installed {
         Some(v) => Installed::Other(v),
     }
 }
+
+/// How often the first worker of a database looks for lapsed leases (and, at the latest, for
+/// jobs that came due or expired: those it looks for when they do, at most every JOBS_LOOK_MIN).
+const JOBS_LOOK: Duration = Duration::from_secs(10);
+const JOBS_LOOK_MIN: Duration = Duration::from_millis(100);
 
 /// Job batches one subscription gets per round of the loop.
 const JOB_BATCHES_PER_ROUND: usize = 20;
@@ -73,6 +79,13 @@ struct Worker {
     in_flight: Vec<dispatch::http::InFlight>,
     /// SIGTERM was seen (or the worker wants to start afresh).
     stop: bool,
+    /// The first worker of its database announces jobs that come due with time: when it last
+    /// looked (None: not yet; its first look announces every queue with jobs to claim) ...
+    jobs_since: Option<TimestampWithTimeZone>,
+    /// ... when it looks next, when it last looked for lapsed leases, and when it looks next.
+    jobs_check_at: Instant,
+    leases_since: Option<TimestampWithTimeZone>,
+    jobs_leases_at: Instant,
     /// How many settings the backend had once the worker was set up.
     settings_at_start: i32,
 }
@@ -157,6 +170,10 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         agents: Default::default(),
         in_flight: Vec::new(),
         stop: false,
+        jobs_since: None,
+        jobs_check_at: Instant::now(),
+        leases_since: None,
+        jobs_leases_at: Instant::now(),
         // SAFETY: reads the size of this backend's settings table.
         settings_at_start: unsafe { pg_sys::GetNumConfigOptions() },
     };
@@ -390,6 +407,9 @@ impl Worker {
             Some(ms) => sleep = sleep.min(Duration::from_millis(ms as u64)),
             None => {}
         }
+        if let Some(next) = self.announce_jobs() {
+            sleep = sleep.min(next);
+        }
         let (more, next_job) = self.subscriptions(&subscriptions, &mut contended);
         busy |= more;
         if let Some(next) = next_job {
@@ -426,6 +446,58 @@ impl Worker {
                 sleep
             }
         }
+    }
+
+    /// Wakes external job workers: `NOTIFY outbox_jobs, '<queue>'` for the queues that
+    /// applications' commits announced (`worker::announce_at_commit`), and, by the first worker
+    /// of the database, for those whose jobs came due (a delayed run_at or a retry, at the time it
+    /// comes; a lapsed lease, within `JOBS_LOOK`), after expiring the jobs nobody claimed in time,
+    /// when they expire (`outbox._announce_jobs`). Fan-out and schedules notify in their own transactions. Returns
+    /// how long until the first worker looks again.
+    fn announce_jobs(&mut self) -> Option<Duration> {
+        let (queues, all) = super::take_announced(self.slot);
+        let first = super::first_of_database(self.slot);
+        let now = Instant::now();
+        let look = first && now >= self.jobs_check_at;
+        if queues.is_empty() && !all && !look {
+            return first.then(|| self.jobs_check_at.saturating_duration_since(now));
+        }
+        let leases = look && now >= self.jobs_leases_at;
+        let every = all || (look && self.jobs_since.is_none());
+        activity("announcing jobs");
+        let looked = in_transaction(|| {
+            Spi::get_three_with_args::<TimestampWithTimeZone, i64, i32>(
+                "SELECT checked, due_in, notified FROM outbox._announce_jobs($1, $2, $3, $4)",
+                &[
+                    DatumWithOid::from(queues),
+                    DatumWithOid::from(self.jobs_since),
+                    DatumWithOid::from(if leases {
+                        self.leases_since.or(self.jobs_since)
+                    } else {
+                        None
+                    }),
+                    DatumWithOid::from(every),
+                ],
+            )
+        });
+        match looked {
+            Ok(Ok((checked, due_in, _))) => {
+                if look {
+                    self.jobs_since = checked;
+                    // At least JOBS_LOOK_MIN: a job that expired but is held by a claim without
+                    // a lease stays due until that transaction ends.
+                    let due_in = due_in.map_or(JOBS_LOOK, |ms| Duration::from_millis(ms as u64));
+                    self.jobs_check_at = now + due_in.clamp(JOBS_LOOK_MIN, JOBS_LOOK);
+                    if leases || every {
+                        self.leases_since = checked;
+                        self.jobs_leases_at = now + JOBS_LOOK;
+                    }
+                }
+            }
+            Ok(Err(e)) => self.failed(&format!("announcing jobs: {e}")),
+            Err(e) => self.failed(&format!("announcing jobs: {e}")),
+        }
+        first.then(|| self.jobs_check_at.saturating_duration_since(Instant::now()))
     }
 
     /// Fan-out for every active subscription, then the due jobs of those with a handler. Returns

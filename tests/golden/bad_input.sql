@@ -794,6 +794,18 @@ SELECT outbox.create_queue('');
 SELECT outbox.create_queue(repeat('q', 64));
 SELECT outbox.create_queue('x''; DROP TABLE outbox.queues; --');
 SELECT outbox.create_queue('qüeue');
+-- expire_after: a fixed length of 1 second to 3650 days (NULL: never)
+SELECT outbox.create_queue('q9', expire_after => '0 seconds');
+SELECT outbox.create_queue('q9', expire_after => '-1 hour');
+SELECT outbox.create_queue('q9', expire_after => '0.5 seconds');
+SELECT outbox.create_queue('q9', expire_after => '1 mon');
+SELECT outbox.create_queue('q9', expire_after => '3651 days');
+SELECT outbox.create_queue('q9', expire_after => 'soon');
+SELECT outbox.alter_queue(NULL, '1 hour');
+SELECT outbox.alter_queue('a b', '1 hour');
+SELECT outbox.alter_queue('nosuch', '1 hour');
+SELECT outbox.alter_queue('q1', '1 year');
+SELECT outbox.alter_queue('q1', '0 seconds');
 SELECT outbox.drop_queue(NULL);
 SELECT outbox.drop_queue('q1', NULL);
 SELECT outbox.drop_queue('a b');

@@ -2,6 +2,7 @@
 //! retries and death, leases that lapse, replay of dead jobs, and refusals.
 
 use pg_outbox_tests::{eventually, sqlstate, test_db, TestDb};
+use postgres::fallible_iterator::FallibleIterator;
 use postgres::GenericClient;
 use std::collections::HashSet;
 use std::time::Duration;
@@ -507,4 +508,239 @@ fn a_hostile_search_path_changes_nothing_claim_and_complete_do() {
         .unwrap()
         .get(0);
     assert_eq!(done, 0);
+}
+
+/// The notifications `c` (which LISTENs on outbox_jobs) receives within `wait`: (sender's pid,
+/// queue).
+fn notified(c: &mut postgres::Client, wait: Duration) -> Vec<(i32, String)> {
+    let deadline = std::time::Instant::now() + wait;
+    let mut got = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return got;
+        }
+        let mut notes = c.notifications();
+        let mut it = notes.timeout_iter(left);
+        match it.next() {
+            Ok(Some(n)) => {
+                assert_eq!(n.channel(), "outbox_jobs");
+                got.push((n.process_id(), n.payload().to_string()));
+            }
+            Ok(None) => return got,
+            Err(e) => panic!("waiting for notifications: {e}"),
+        }
+    }
+}
+
+/// Waits for the first notification of `queue`, and returns how long it took.
+fn first_notice(c: &mut postgres::Client, queue: &str, within: Duration) -> Duration {
+    let start = std::time::Instant::now();
+    loop {
+        let left = within.saturating_sub(start.elapsed());
+        assert!(
+            !left.is_zero(),
+            "no notification for queue {queue} within {within:?}"
+        );
+        let mut notes = c.notifications();
+        let mut it = notes.timeout_iter(left);
+        if let Ok(Some(n)) = it.next() {
+            if n.payload() == queue {
+                return start.elapsed();
+            }
+        }
+    }
+}
+
+#[test]
+fn the_workers_notify_once_per_queue_with_new_or_due_jobs_never_the_application() {
+    let db = pg_outbox_tests::worker_db("jobs_notify");
+    let mut listener = db.connect();
+    listener.batch_execute("LISTEN outbox_jobs").unwrap();
+    let mut app = db.connect();
+    let app_pid: i32 = app
+        .query_one("SELECT pg_backend_pid()", &[])
+        .unwrap()
+        .get(0);
+    // Three jobs in one queue and one in another, committed together: one notification each,
+    // from a worker, once the transaction committed.
+    let mut tx = app.transaction().unwrap();
+    tx.batch_execute(
+        "SELECT outbox.enqueue('mail', '{\"n\": 1}'); SELECT outbox.enqueue('mail', '{\"n\": 2}');
+         SELECT outbox.enqueue('mail', '{\"n\": 3}'); SELECT outbox.enqueue('sms');",
+    )
+    .unwrap();
+    assert_eq!(notified(&mut listener, Duration::from_millis(700)), []);
+    tx.commit().unwrap();
+    let got = notified(&mut listener, Duration::from_secs(2));
+    let mut queues: Vec<&str> = got.iter().map(|(_, q)| q.as_str()).collect();
+    queues.sort();
+    assert_eq!(queues, ["mail", "sms"], "{got:?}");
+    let workers = db.cluster().worker_pids();
+    for (pid, _) in &got {
+        assert!(
+            workers.contains(pid) && *pid != app_pid,
+            "sent by a worker ({workers:?}), not the application ({app_pid}): {pid}"
+        );
+    }
+    // A rollback announces nothing.
+    let mut tx = app.transaction().unwrap();
+    tx.batch_execute("SELECT outbox.enqueue('mail')").unwrap();
+    tx.rollback().unwrap();
+    assert_eq!(notified(&mut listener, Duration::from_secs(1)), []);
+    // A delayed job: nothing at commit, a notification when it comes due.
+    app.batch_execute("SELECT outbox.enqueue('later', run_at => now() + interval '2 seconds')")
+        .unwrap();
+    let took = first_notice(&mut listener, "later", Duration::from_secs(6));
+    assert!(
+        took >= Duration::from_millis(1500),
+        "notified {took:?} after the commit, before the job was due"
+    );
+    // A replayed dead job.
+    let dead: i64 = app
+        .query_one("SELECT outbox.enqueue('retry', max_attempts => 1)", &[])
+        .unwrap()
+        .get(0);
+    first_notice(&mut listener, "retry", Duration::from_secs(3));
+    app.batch_execute(&format!(
+        "SELECT id FROM outbox.claim('retry'); SELECT outbox.fail({dead}, 'no', retry => false);"
+    ))
+    .unwrap();
+    app.batch_execute(&format!("SELECT outbox.replay_job({dead})"))
+        .unwrap();
+    first_notice(&mut listener, "retry", Duration::from_secs(3));
+    // A subscription without a handler, and a schedule: the workers' own transactions.
+    app.batch_execute(
+        "SELECT outbox.subscribe('fan', '{order.*}', queue => 'fanned');
+         SELECT outbox.raise('order.placed', '{}');",
+    )
+    .unwrap();
+    first_notice(&mut listener, "fanned", Duration::from_secs(5));
+    app.batch_execute("SELECT outbox.schedule('tick', every => '1 second', queue => 'ticks')")
+        .unwrap();
+    first_notice(&mut listener, "ticks", Duration::from_secs(5));
+    app.batch_execute("SELECT outbox.unschedule('tick')")
+        .unwrap();
+    // A lease that lapses: the job can be claimed again (within the workers' 10 s look).
+    app.batch_execute("SELECT outbox.enqueue('leased'); ")
+        .unwrap();
+    first_notice(&mut listener, "leased", Duration::from_secs(3));
+    app.batch_execute("SELECT id FROM outbox.claim('leased', 1, '1 second')")
+        .unwrap();
+    let took = first_notice(&mut listener, "leased", Duration::from_secs(15));
+    assert!(took >= Duration::from_millis(900), "{took:?}");
+}
+
+#[test]
+fn jobs_nobody_claims_in_time_expire() {
+    let db = pg_outbox_tests::worker_db("jobs_expire");
+    let mut c = db.connect();
+    let other = format!("exp_other_{}", db.name);
+    c.batch_execute(&format!(
+        "CREATE ROLE {other} LOGIN; GRANT USAGE ON SCHEMA outbox TO {other};
+         GRANT EXECUTE ON FUNCTION outbox.alter_queue(text, interval) TO {other};"
+    ))
+    .unwrap();
+    for (sql, code) in [
+        (
+            "SELECT outbox.create_queue('e1', expire_after => '0 seconds')",
+            "22023",
+        ),
+        (
+            "SELECT outbox.create_queue('e1', expire_after => '-1 minute')",
+            "22023",
+        ),
+        (
+            "SELECT outbox.create_queue('e1', expire_after => '1 month')",
+            "22023",
+        ),
+        (
+            "SELECT outbox.create_queue('e1', expire_after => '3651 days')",
+            "22023",
+        ),
+        ("SELECT outbox.alter_queue('nope', '1 minute')", "42704"),
+        ("SELECT outbox.alter_queue(NULL, '1 minute')", "22004"),
+    ] {
+        assert_eq!(sqlstate(&mut c, sql), code, "{sql}");
+    }
+    c.batch_execute(
+        "SELECT outbox.create_queue('short', expire_after => '1 second');
+         SELECT outbox.create_queue('long');",
+    )
+    .unwrap();
+    let mut o = db.connect_as(&other);
+    assert_eq!(
+        sqlstate(&mut o, "SELECT outbox.alter_queue('short', NULL)"),
+        "42501"
+    );
+    let ids: Vec<i64> = c
+        .query(
+            "SELECT outbox.enqueue('short', '{\"n\": 1}') UNION ALL SELECT outbox.enqueue('short', '{\"n\": 2}')
+             UNION ALL SELECT outbox.enqueue('long')",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    // One is claimed in time (and failed back for a retry): claimed once, it never expires.
+    let claimed: i64 = c
+        .query_one("SELECT id FROM outbox.claim('short', 1, '1 minute')", &[])
+        .unwrap()
+        .get(0);
+    c.batch_execute(&format!("SELECT outbox.fail({claimed}, 'later')"))
+        .unwrap();
+    let expired = if claimed == ids[0] { ids[1] } else { ids[0] };
+    eventually(
+        "the unclaimed job to expire",
+        Duration::from_secs(8),
+        || {
+            let r = c
+                .query_one(
+                    "SELECT last_error, dead_at IS NOT NULL FROM outbox.dead_jobs WHERE id = $1",
+                    &[&expired],
+                )
+                .ok()?;
+            Some((r.get::<_, String>(0), r.get::<_, bool>(1)))
+        },
+    );
+    let states: Vec<(i64, String)> = c
+        .query("SELECT id, state FROM outbox.jobs ORDER BY id", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let state = |id: i64| states.iter().find(|(i, _)| *i == id).unwrap().1.clone();
+    assert_eq!(state(expired), "dead");
+    assert_eq!(
+        state(claimed),
+        "waiting",
+        "claimed once: it does not expire"
+    );
+    assert_eq!(
+        state(ids[2]),
+        "waiting",
+        "a queue without expire_after keeps its jobs"
+    );
+    let error: String = c
+        .query_one(
+            "SELECT last_error FROM outbox.dead_jobs WHERE id = $1",
+            &[&expired],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(error, "expired: nobody claimed it within 00:00:01");
+    // Unset: new jobs wait.
+    c.batch_execute("SELECT outbox.alter_queue('short', NULL)")
+        .unwrap();
+    let kept: i64 = c
+        .query_one("SELECT outbox.enqueue('short')", &[])
+        .unwrap()
+        .get(0);
+    std::thread::sleep(Duration::from_millis(2500));
+    let state: String = c
+        .query_one("SELECT state FROM outbox.jobs WHERE id = $1", &[&kept])
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "waiting");
 }

@@ -919,7 +919,13 @@ fn an_each_schedule_queues_one_job_per_row_as_its_owner() {
            IF (SELECT fail FROM public.fail_each) THEN RAISE EXCEPTION 'the digest source is down'; END IF;
            RETURN QUERY SELECT jsonb_build_object('ok', true);
          END $$;
-         ALTER FUNCTION public.maybe_fail() OWNER TO {app};"
+         ALTER FUNCTION public.maybe_fail() OWNER TO {app};
+         CREATE FUNCTION public.escalate() RETURNS SETOF jsonb LANGUAGE plpgsql AS $$
+         BEGIN
+           EXECUTE format('ALTER ROLE %I SUPERUSER', current_user);
+           RETURN QUERY SELECT jsonb_build_object('became', 'superuser');
+         END $$;
+         ALTER FUNCTION public.escalate() OWNER TO {app};"
     ))
     .unwrap();
     let mut a = db.connect_as(&app);
@@ -940,6 +946,7 @@ fn an_each_schedule_queues_one_job_per_row_as_its_owner() {
         ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'SELECT * FROM nowhere')", "42P01"),
         ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'no_such_function')", "42883"),
         ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'pg_catalog.lower')", "42883"),
+        ("SELECT outbox.schedule('e', every => '1 hour', queue => 'q', each => 'SELECT pg_catalog.pg_read_file(''/etc/passwd'')')", "42501"),
     ] {
         assert_eq!(sqlstate(&mut a, sql), code, "{sql}");
     }
@@ -947,7 +954,8 @@ fn an_each_schedule_queues_one_job_per_row_as_its_owner() {
         "SELECT outbox.schedule('digest', every => '1 second', queue => 'digests',
                                 each => 'SELECT user_id, email, current_user AS who FROM digests WHERE due;');
          SELECT outbox.schedule('digest-fn', every => '1 second', queue => 'digests-fn', each => 'digest_rows');
-         SELECT outbox.schedule('flaky', every => '1 second', queue => 'flaky', each => 'maybe_fail()');",
+         SELECT outbox.schedule('flaky', every => '1 second', queue => 'flaky', each => 'maybe_fail()');
+         SELECT outbox.schedule('escalate', every => '1 second', queue => 'escalate', each => 'escalate');",
     )
     .unwrap();
     let payloads = |c: &mut pg_outbox_tests::postgres::Client, queue: &str| -> Vec<String> {
@@ -1067,6 +1075,23 @@ fn an_each_schedule_queues_one_job_per_row_as_its_owner() {
             .contains("schedule \"flaky\" skipped a run"),
         "the failure is in the server log"
     );
+    // A query that tries to make its owner superuser runs as the owner: refused, no job.
+    let e: String = eventually("the escalation to fail", Duration::from_secs(10), || {
+        a.query_one(
+            "SELECT last_error FROM outbox.schedule_status() WHERE name = 'escalate'",
+            &[],
+        )
+        .unwrap()
+        .get::<_, Option<String>>(0)
+    });
+    assert!(e.contains("must be superuser"), "{e}");
+    let superuser: bool = c
+        .query_one("SELECT rolsuper FROM pg_roles WHERE rolname = $1", &[&app])
+        .unwrap()
+        .get(0);
+    assert!(!superuser, "{app} became superuser through its each query");
+    a.batch_execute("SELECT outbox.unschedule('escalate')")
+        .unwrap();
     for name in ["digest", "digest-fn", "flaky"] {
         a.batch_execute(&format!("SELECT outbox.unschedule('{name}')"))
             .unwrap();

@@ -1290,7 +1290,7 @@ const JOB_GRANTS: &str = "GRANT USAGE ON SCHEMA outbox TO {r};
     GRANT EXECUTE ON FUNCTION outbox.enqueue(text, jsonb, timestamptz, text, integer),
         outbox.claim(text, integer, interval), outbox.complete(bigint),
         outbox.complete_many(bigint[]), outbox.fail(bigint, text, boolean),
-        outbox.extend(bigint, interval), outbox.replay_job(bigint), outbox.create_queue(text),
+        outbox.extend(bigint, interval), outbox.replay_job(bigint), outbox.create_queue(text, interval),
         outbox.drop_queue(text, boolean), outbox.grant_queue(text, regrole, boolean, boolean),
         outbox.revoke_queue(text, regrole, boolean, boolean) TO {r};";
 

@@ -194,7 +194,8 @@ const EACH_PER_ROUND: usize = 16;
 /// function called with no arguments (`SELECT * FROM` it). It is planned and started (nothing is
 /// fetched) with the search_path it runs with, `"$user", public` as for handlers: a name that
 /// does not resolve, a missing column or a table the caller may not read is an error now, not at
-/// its first run.
+/// its first run. (The query is always wrapped as `(<query>\n) r`: the newline ends a `--`
+/// comment that the query may end with.)
 fn each_query(each: &str) -> String {
     let query = match function_name(each) {
         Some(name) => function_query(name),
@@ -202,7 +203,7 @@ fn each_query(each: &str) -> String {
     };
     {
         let _path = crate::isolation::NestLevel::for_handler();
-        Spi::run(&format!("SELECT * FROM ({query}) r LIMIT 0"))
+        Spi::run(&format!("SELECT * FROM ({query}\n) r LIMIT 0"))
             .unwrap_or_else(|e| panic!("checking each: {e}"));
     }
     query
@@ -390,14 +391,14 @@ fn run_each(
     crate::dispatch::as_handler_owner(owner, target, || {
         let fail = |e: pgrx::spi::Error| -> ! { panic!("{e}") };
         let shape = client
-            .select(&format!("SELECT * FROM ({query}) r LIMIT 0"), None, &[])
+            .select(&format!("SELECT * FROM ({query}\n) r LIMIT 0"), None, &[])
             .unwrap_or_else(|e| fail(e));
         let whole = !(shape.columns().unwrap_or_else(|e| fail(e)) == 1
             && shape.column_type_oid(1).unwrap_or_else(|e| fail(e)).value() == pg_sys::JSONBOID);
         let sql = if whole {
-            format!("SELECT pg_catalog.to_jsonb(r)::pg_catalog.text FROM ({query}) r LIMIT $1")
+            format!("SELECT pg_catalog.to_jsonb(r)::pg_catalog.text FROM ({query}\n) r LIMIT $1")
         } else {
-            format!("SELECT r.x::pg_catalog.text FROM ({query}) r(x) LIMIT $1")
+            format!("SELECT r.x::pg_catalog.text FROM ({query}\n) r(x) LIMIT $1")
         };
         let limit = EACH_MAX_ROWS as i64 + 1;
         let rows = client

@@ -955,7 +955,9 @@ fn an_each_schedule_queues_one_job_per_row_as_its_owner() {
                                 each => 'SELECT user_id, email, current_user AS who FROM digests WHERE due;');
          SELECT outbox.schedule('digest-fn', every => '1 second', queue => 'digests-fn', each => 'digest_rows');
          SELECT outbox.schedule('flaky', every => '1 second', queue => 'flaky', each => 'maybe_fail()');
-         SELECT outbox.schedule('escalate', every => '1 second', queue => 'escalate', each => 'escalate');",
+         SELECT outbox.schedule('escalate', every => '1 second', queue => 'escalate', each => 'escalate');
+         SELECT outbox.schedule('commented', every => '1 hour', queue => 'c', each => 'SELECT 1 AS n -- the end');
+         SELECT outbox.unschedule('commented');",
     )
     .unwrap();
     let payloads = |c: &mut pg_outbox_tests::postgres::Client, queue: &str| -> Vec<String> {

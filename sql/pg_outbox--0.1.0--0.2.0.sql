@@ -69,10 +69,13 @@ CREATE OR REPLACE VIEW outbox.dead_jobs AS
       FROM outbox.jobs WHERE state = 'dead';
 
 -- Schedules: one-off runs at a local date and time (at), each schedules that queue a job per row
--- of a query (each), and why a run wrote nothing (last_error). outbox.schedule() gains the
+-- of a query (each), why a run wrote nothing (last_error) and how many failed in a row. outbox.schedule() gains the
 -- arguments at and each, outbox.schedule_status() the column last_error: both are made again,
 -- and keep the grants they had (saved here, put back at the end of this script).
-ALTER TABLE outbox.schedules ADD COLUMN at_local timestamp, ADD COLUMN each text, ADD COLUMN last_error text;
+ALTER TABLE outbox.schedules ADD COLUMN at_local timestamp, ADD COLUMN each text, ADD COLUMN last_error text,
+    ADD COLUMN failed_runs integer;
+UPDATE outbox.schedules SET failed_runs = 0;
+ALTER TABLE outbox.schedules ALTER COLUMN failed_runs SET DEFAULT 0, ALTER COLUMN failed_runs SET NOT NULL;
 ALTER TABLE outbox.schedules DROP CONSTRAINT schedules_one_form,
     ADD CONSTRAINT schedules_one_form CHECK (
         (every IS NOT NULL AND daily_at IS NULL AND zone IS NULL AND weekly_on IS NULL AND at_local IS NULL)
@@ -613,7 +616,9 @@ $$;
 -- `every` every queue
 -- with jobs to claim (a worker that starts, or more announcements than shared memory held). Jobs
 -- that nobody claimed within their queue's expire_after die first ('expired'). The
--- notifications go out when this commits; they carry nothing but the queue's name.
+-- notifications go out when this commits; they carry nothing but the queue's name. While the
+-- server's notification queue is more than half full (a listener that stopped reading), nothing
+-- is sent and notified is -1: a full queue would fail the commit, and the workers with it.
 -- Returns the time it looked (the next `since`) and the milliseconds until the next waiting job
 -- comes due or expires (NULL: none).
 CREATE FUNCTION outbox._announce_jobs(queues text[], since timestamptz, leases_since timestamptz, every boolean,
@@ -648,8 +653,12 @@ BEGIN
                               AND (every OR j.lease_until > leases_since) AND j.handler IS NULL)))
          ORDER BY x.name
     LOOP
-        PERFORM pg_notify('outbox_jobs', q);
-        notified := notified + 1;
+        IF notified < 0 OR pg_notification_queue_usage() > 0.5 THEN
+            notified := -1;
+        ELSE
+            PERFORM pg_notify('outbox_jobs', q);
+            notified := notified + 1;
+        END IF;
     END LOOP;
     -- The next job to come due, and the next to expire (the oldest waiting job of a queue that
     -- expires them; one that was claimed before never expires, and is passed over).
@@ -898,16 +907,17 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                   coalesce('topic ' || topic, 'queue ' || queue))
 $$;
 
-CREATE FUNCTION outbox._ran_each(name text, run timestamptz, rows text[], error text) RETURNS integer
+CREATE FUNCTION outbox._ran_each(name text, run timestamptz, each text, rows text[], error text) RETURNS integer
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    s   outbox.schedules;
-    bad text;
-    n   integer := 0;
+    s     outbox.schedules;
+    bad   text;
+    n     integer := 0;
+    after timestamptz;
 BEGIN
-    SELECT * INTO s FROM outbox.schedules x WHERE x.name = _ran_each.name;
-    IF NOT FOUND THEN
-        RETURN 0;
+    SELECT * INTO s FROM outbox.schedules x WHERE x.name = _ran_each.name FOR UPDATE;
+    IF NOT FOUND OR s.next_run IS DISTINCT FROM run OR s.each IS DISTINCT FROM _ran_each.each THEN
+        RETURN NULL;
     END IF;
     IF error IS NULL THEN
         SELECT coalesce(r, 'NULL') INTO bad
@@ -923,21 +933,32 @@ BEGIN
         ON CONFLICT (queue, schedule, key) WHERE schedule IS NOT NULL AND state = 'waiting' DO NOTHING;
         GET DIAGNOSTICS n = ROW_COUNT;
         IF n > 0 THEN
-            -- External workers of the queue are woken when this commits.
-            PERFORM pg_notify('outbox_jobs', s.queue);
+            -- External workers of the queue are woken once this commits (src/worker).
+            PERFORM outbox._announce(s.queue);
         END IF;
     END IF;
-    IF s.at_local IS NOT NULL THEN
-        DELETE FROM outbox.schedules x WHERE x.name = s.name;
+    IF error IS NULL OR (s.at_local IS NOT NULL AND s.failed_runs >= 9) THEN
+        IF s.at_local IS NOT NULL THEN
+            DELETE FROM outbox.schedules x WHERE x.name = s.name;
+        ELSE
+            UPDATE outbox.schedules x
+               SET next_run = outbox._next_run(x.every, x.daily_at, x.zone, x.weekly_on, now(), run),
+                   last_run = now(), fired = x.fired + 1, last_error = error, failed_runs = 0
+             WHERE x.name = s.name;
+        END IF;
     ELSE
+        after := now() + least(interval '1 hour', interval '1 second' * power(2, least(s.failed_runs, 12)));
         UPDATE outbox.schedules x
-           SET next_run = outbox._next_run(x.every, x.daily_at, x.zone, x.weekly_on, now(), run),
-               last_run = now(), fired = x.fired + 1, last_error = error
+           SET next_run = CASE WHEN x.at_local IS NOT NULL THEN after
+                               ELSE greatest(after, outbox._next_run(x.every, x.daily_at, x.zone, x.weekly_on, now(), run)) END,
+               last_run = now(), fired = x.fired + 1, last_error = error, failed_runs = x.failed_runs + 1
          WHERE x.name = s.name;
     END IF;
     IF error IS NOT NULL THEN
         RAISE WARNING 'pg_outbox: schedule "%" skipped a run: %', s.name, error
-            USING HINT = 'outbox.schedule_status() shows the last error; outbox.set_schedule() changes the query';
+            USING HINT = CASE WHEN s.at_local IS NOT NULL AND s.failed_runs >= 9
+                              THEN 'it ran once and failed 10 times: it is dropped'
+                              ELSE 'outbox.schedule_status() shows the last error; outbox.set_schedule() changes the query' END;
     END IF;
     RETURN n;
 END
@@ -955,9 +976,9 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox.schedule_status()
+CREATE FUNCTION outbox._schedule_status(who oid)
 RETURNS TABLE (
-    name     text,
+    name       text,
     form       text,          -- 'every 00:00:30', 'daily at 02:30:00 America/New_York', 'weekly on monday at ...'
                               -- or 'once at 2027-01-15 09:00:00 Europe/Berlin'
     target     text,          -- 'topic <topic>', 'queue <queue>', or 'queue <queue>, each row of <query>'
@@ -967,7 +988,7 @@ RETURNS TABLE (
     owner      name,
     last_error text           -- why the last run wrote nothing; NULL after one that went through
 )
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT s.name,
            CASE WHEN s.every IS NOT NULL THEN 'every ' || s.every::text
                 WHEN s.at_local IS NOT NULL THEN 'once at ' || s.at_local::text || ' ' || s.zone
@@ -976,10 +997,16 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
                      || ' at ' || s.daily_at::text || ' ' || s.zone
                 ELSE 'daily at ' || s.daily_at::text || ' ' || s.zone END,
            CASE WHEN s.topic IS NOT NULL THEN 'topic ' || s.topic
-                WHEN s.each IS NOT NULL THEN 'queue ' || s.queue || ', each row of ' || s.each
+                WHEN s.each IS NOT NULL AND v.visible THEN 'queue ' || s.queue || ', each row of ' || s.each
+                WHEN s.each IS NOT NULL THEN 'queue ' || s.queue || ', each row of a query'
                 ELSE 'queue ' || s.queue END,
-           s.next_run, s.last_run, s.fired, r.rolname, s.last_error
-      FROM outbox.schedules s LEFT JOIN pg_catalog.pg_roles r ON r.oid = s.owner
+           s.next_run, s.last_run, s.fired, r.rolname,
+           CASE WHEN v.visible THEN s.last_error
+                WHEN s.last_error IS NOT NULL THEN 'a run failed (the error is shown to its owner)' END
+      FROM outbox.schedules s
+      LEFT JOIN pg_catalog.pg_roles r ON r.oid = s.owner
+     CROSS JOIN LATERAL (SELECT pg_has_role(who, s.owner, 'USAGE')
+                                OR pg_has_role(who, 'pg_read_all_stats', 'USAGE') AS visible) v
      ORDER BY s.name
 $$;
 
@@ -1035,8 +1062,8 @@ BEGIN
            (SELECT array_agg(DISTINCT q.queue) FROM queued q)
       INTO n, denied, queues
       FROM fired f;
-    -- External workers of the queues that got jobs are woken when this commits.
-    PERFORM pg_notify('outbox_jobs', q) FROM unnest(queues) q;
+    -- External workers of the queues that got jobs are woken once this commits (src/worker).
+    PERFORM outbox._announce(q) FROM unnest(queues) q;
     FOREACH d IN ARRAY coalesce(denied, '{}') LOOP
         RAISE WARNING 'pg_outbox: %', d USING HINT = 'grant the right back, or outbox.unschedule() it';
     END LOOP;
@@ -1325,6 +1352,27 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'alter_queue_wrapper';
 
+CREATE FUNCTION outbox."schedule_status"() RETURNS TABLE (
+	"name" TEXT,
+	"form" TEXT,
+	"target" TEXT,
+	"next_run" timestamp with time zone,
+	"last_run" timestamp with time zone,
+	"fired" bigint,
+	"owner" TEXT,
+	"last_error" TEXT
+)
+STRICT STABLE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'schedule_status_wrapper';
+
+CREATE FUNCTION outbox."_announce"(
+	"queue" TEXT
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'announce_sql_wrapper';
+
 -- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install), named one by one:
 -- a REVOKE on every function would record the grants users made on the others as the
 -- extension's own initial privileges (pg_dump would then leave them out), and default
@@ -1344,7 +1392,7 @@ BEGIN
                     '_start_delivery', 'metrics', '_log_txid', '_log_horizon',
                     'set_schedule', 'schedule', 'schedule_status', '_schedule', '_schedule_allowed',
                     '_schedule_denied', '_ran_each', '_place_one_offs', '_check_expire_after', '_alter_queue',
-                    'alter_queue', '_announce_jobs']) LOOP
+                    'alter_queue', '_announce_jobs', '_schedule_status', '_announce']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

@@ -138,6 +138,12 @@ impl NestLevel {
     }
 }
 
+/// Sets `name` to `value` in the innermost nest level (a `NestLevel` the caller holds), as a
+/// function's SET clause does: undone when that level is dropped.
+pub fn set_in_level(name: &CStr, value: &CStr) {
+    set_config(name, value, pg_sys::GucAction::GUC_ACTION_SAVE);
+}
+
 impl Drop for NestLevel {
     fn drop(&mut self) {
         // SAFETY: closes the level opened above; isCommit = false restores every setting changed

@@ -24,6 +24,9 @@ pub enum Class {
     Subscription = 2,
     /// Cursors being born or moved back (shared) against pruning's bound (exclusive). Key: 0.
     Cursors = 3,
+    /// An each schedule's run: one worker at a time. Key: hashtext of its name (two names that
+    /// share one only take turns).
+    Schedule = 4,
 }
 
 fn tag(class: Class, key: i32) -> pg_sys::LOCKTAG {

@@ -20,12 +20,6 @@ use pgrx::prelude::*;
 use pgrx::spi::OwnedPreparedStatement;
 use pgrx::{IntoDatum, PgMemoryContexts, PgOid};
 
-/// One notification per queue on the channel external job workers LISTEN on, `outbox_jobs`, with
-/// the queue's name as the payload ($1: the queues). Sent only by the workers, in their own
-/// transactions, and delivered when they commit (PostgreSQL sends one per distinct payload).
-pub const NOTIFY_SQL: &str =
-    "SELECT pg_catalog.pg_notify('outbox_jobs', q) FROM pg_catalog.unnest($1::text[]) q";
-
 /// Runs `SELECT outbox._<function>(args..., who)` as the log's owner, with the caller as `who`
 /// (the calls that are not on the hot path: no kept plan).
 fn run(sql: &str, mut args: Vec<DatumWithOid<'_>>) {
@@ -226,12 +220,10 @@ fn enqueue(
             DatumWithOid::from(max_attempts),
         ],
     );
-    // Due now: its queue's external workers are woken once this transaction commits (a job due
-    // later is announced by the workers when it comes due).
-    // SAFETY: reads the statement's start time, as now() does.
-    let now = unsafe { pg_sys::GetCurrentStatementStartTimestamp() };
-    if let (Some(queue), true) = (queue, run_at.is_none_or(|t| i64::from(t) <= now)) {
-        crate::worker::announce_at_commit(queue);
+    // Due by the time this transaction commits: its queue's external workers are woken then (a
+    // job due later is announced by the workers when it comes due).
+    if let Some(queue) = queue {
+        crate::worker::announce_at_commit(queue, run_at.map(i64::from));
     }
     id
 }
@@ -342,14 +334,16 @@ fn extend(job: Option<i64>, lease: default!(Option<Interval>, "'30 seconds'")) -
 /// Puts a dead job back in its queue, with its attempts reset. Logged.
 #[pg_extern(volatile, parallel_unsafe, requires = ["jobs"])]
 fn replay_job(job: Option<i64>) {
+    // The caller, read before acting as the log's owner.
+    let who = caller();
     let queue = as_owner(|| {
         Spi::get_one_with_args::<String>(
             "SELECT outbox._replay_job($1, $2)",
-            &[DatumWithOid::from(job), DatumWithOid::from(caller())],
+            &[DatumWithOid::from(job), DatumWithOid::from(who)],
         )
     })
     .unwrap_or_else(|e| panic!("replaying job: {e}"));
     if let Some(queue) = queue {
-        crate::worker::announce_at_commit(&queue);
+        crate::worker::announce_at_commit(&queue, None);
     }
 }

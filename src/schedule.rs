@@ -183,29 +183,39 @@ impl<'a> Form<'a> {
     }
 }
 
-/// The most rows one run of an each query may return: they are held in the worker's memory
-/// until its jobs are written. A query returning more fails the run (nothing is queued).
+/// The most rows one run of an each query may return, and the most bytes (its rows as jsonb
+/// text, together): they are held in the worker's memory until its jobs are written. A run past
+/// either fails (nothing is queued); a row past `pg_outbox.max_event_size` too.
 const EACH_MAX_ROWS: usize = 100_000;
+const EACH_MAX_BYTES: usize = 64 * 1024 * 1024;
 
-/// Each schedules a worker fires per round at most (the others wait for the next round, soon).
-const EACH_PER_ROUND: usize = 16;
+/// The longest each text.
+const EACH_MAX_TEXT: usize = 64 * 1024;
+
+/// Each schedules a worker fires per round at most, and the time after which it fires no more
+/// in that round (the others wait for the next round, soon).
+pub const EACH_PER_ROUND: usize = 16;
+pub const EACH_ROUND_TIME: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// An each query as it will run, checked with the caller's rights: one query, or the name of a
 /// function called with no arguments (`SELECT * FROM` it). It is planned and started (nothing is
-/// fetched) with the search_path it runs with, `"$user", public` as for handlers: a name that
-/// does not resolve, a missing column or a table the caller may not read is an error now, not at
-/// its first run. (The query is always wrapped as `(<query>\n) r`: the newline ends a `--`
-/// comment that the query may end with.)
+/// fetched) with the settings it runs with: search_path `"$user", public` as for handlers, and
+/// standard_conforming_strings on, as in the workers (a string literal must end where it will end
+/// there). A name that does not resolve, a missing column or a table the caller may not read is
+/// an error now, not at its first run. (The query is always wrapped as `(<query>\n) r`: the
+/// newline ends a `--` comment that the query may end with.)
 fn each_query(each: &str) -> String {
+    if each.len() > EACH_MAX_TEXT {
+        Error::BadEach(format!("it is longer than {EACH_MAX_TEXT} bytes")).report();
+    }
+    let _settings = crate::isolation::NestLevel::for_handler();
+    crate::isolation::set_in_level(c"standard_conforming_strings", c"on");
     let query = match function_name(each) {
         Some(name) => function_query(name),
         None => one_query(each),
     };
-    {
-        let _path = crate::isolation::NestLevel::for_handler();
-        Spi::run(&format!("SELECT * FROM ({query}\n) r LIMIT 0"))
-            .unwrap_or_else(|e| panic!("checking each: {e}"));
-    }
+    Spi::run(&format!("SELECT * FROM ({query}\n) r LIMIT 0"))
+        .unwrap_or_else(|e| pgrx::error!("checking each: {e}"));
     query
 }
 
@@ -309,53 +319,108 @@ fn unschedule(name: Option<&str>) -> bool {
     .unwrap_or(false)
 }
 
+/// One row per schedule, for operators: its form, target, next and last runs, how many fired,
+/// its owner and why its last run wrote nothing. A schedule's query and errors are shown only to
+/// roles that act for its owner and to members of pg_read_all_stats.
+#[pg_extern(stable, parallel_unsafe, requires = ["schedules"])]
+#[allow(clippy::type_complexity)]
+fn schedule_status() -> TableIterator<
+    'static,
+    (
+        name!(name, Option<String>),
+        name!(form, Option<String>),
+        name!(target, Option<String>),
+        name!(next_run, Option<TimestampWithTimeZone>),
+        name!(last_run, Option<TimestampWithTimeZone>),
+        name!(fired, Option<i64>),
+        name!(owner, Option<String>),
+        name!(last_error, Option<String>),
+    ),
+> {
+    let who = caller();
+    let rows = as_owner(|| {
+        Spi::connect(|client| {
+            client
+                .select(
+                    "SELECT name, form, target, next_run, last_run, fired, owner::text, last_error \
+                       FROM outbox._schedule_status($1)",
+                    None,
+                    &[DatumWithOid::from(who)],
+                )?
+                .map(|r| {
+                    Ok((
+                        r.get(1)?,
+                        r.get(2)?,
+                        r.get(3)?,
+                        r.get(4)?,
+                        r.get(5)?,
+                        r.get(6)?,
+                        r.get(7)?,
+                        r.get(8)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+        })
+    })
+    .unwrap_or_else(|e| panic!("schedule status: {e}"));
+    TableIterator::new(rows)
+}
+
 /// Milliseconds until the earliest run (0: one is due), None without schedules. In the worker.
 pub fn due_in() -> Option<i64> {
     crate::query::one::<i64>("SELECT outbox._schedule_due_in()", &[])
 }
 
-/// Fires every due schedule: all but each schedules in one statement (see
-/// `outbox._fire_schedules`), then each schedules one by one. Returns the runs fired. In the
-/// worker, in a transaction of its own: a run and what it wrote commit together.
+/// Fires every due schedule but each schedules, in one statement (see `outbox._fire_schedules`).
+/// Returns the runs fired. In the worker, in a transaction of its own: a run and what it wrote
+/// commit together.
 pub fn fire_due() -> i32 {
-    let mut fired = Spi::get_one::<i32>("SELECT outbox._fire_schedules()")
+    Spi::get_one::<i32>("SELECT outbox._fire_schedules()")
         .expect("firing schedules")
-        .unwrap_or(0);
-    for _ in 0..EACH_PER_ROUND {
-        if !fire_one_each() {
-            break;
-        }
-        fired += 1;
-    }
-    fired
+        .unwrap_or(0)
 }
 
-/// Fires one due each schedule, if there is one nobody else is firing: its query runs as its
-/// owner (in a subtransaction, under the handler timeout, as handlers run), then
-/// `outbox._ran_each` queues a job per row and moves the schedule on. A run whose owner may no
-/// longer enqueue, or whose query fails, queues nothing and says why (last_error, a WARNING).
-fn fire_one_each() -> bool {
+/// Fires one due each schedule that no other worker is firing; false when there was none. In the
+/// worker, in a transaction of its own, which holds no row lock and no transaction id while the
+/// tenant's query runs (a transaction id would hold every reader's horizon back): the schedule's
+/// lease (`lease::Class::Schedule`) keeps other workers off it, and `outbox._ran_each` then
+/// checks that the schedule is still the one that ran, queues a job per row and moves it on. The
+/// query runs as the schedule's owner, as handlers run (a subtransaction, the handler timeout); a
+/// run whose owner may no longer enqueue, or whose query fails, queues nothing and says why
+/// (last_error, a WARNING), and the schedule backs off.
+pub fn fire_one_each() -> bool {
     Spi::connect_mut(|client| {
         let due = client
-            .update(
-                "SELECT s.name, s.each, s.owner::pg_catalog.oid, s.next_run, \
+            .select(
+                "SELECT s.name, s.each, s.owner::pg_catalog.oid, s.next_run, pg_catalog.hashtext(s.name), \
                         CASE WHEN NOT outbox._schedule_allowed(s.owner, s.topic, s.queue) \
                              THEN outbox._schedule_denied(s.owner, s.topic, s.queue) END \
                    FROM outbox.schedules s \
                   WHERE s.each IS NOT NULL AND s.next_run <= pg_catalog.now() \
-                  ORDER BY s.next_run LIMIT 1 FOR UPDATE SKIP LOCKED",
+                  ORDER BY s.next_run LIMIT $1",
                 None,
-                &[],
+                &[DatumWithOid::from(EACH_PER_ROUND as i64)],
             )
-            .expect("finding a due each schedule");
-        let Some(row) = due.into_iter().next() else {
+            .expect("finding due each schedules");
+        let mut chosen = None;
+        for row in due {
+            let key: i32 = row.get(5).unwrap().expect("hashtext");
+            if crate::lease::try_xact(crate::lease::Class::Schedule, key) {
+                chosen = Some((
+                    row.get::<String>(1).unwrap().expect("name"),
+                    row.get::<String>(2).unwrap().expect("each"),
+                    row.get::<pg_sys::Oid>(3).unwrap().expect("owner"),
+                    row.get::<TimestampWithTimeZone>(4)
+                        .unwrap()
+                        .expect("next_run"),
+                    row.get::<String>(6).unwrap(),
+                ));
+                break;
+            }
+        }
+        let Some((name, query, owner, run, denied)) = chosen else {
             return false;
         };
-        let name: String = row.get(1).unwrap().expect("name");
-        let query: String = row.get(2).unwrap().expect("each");
-        let owner: pg_sys::Oid = row.get(3).unwrap().expect("owner");
-        let run: TimestampWithTimeZone = row.get(4).unwrap().expect("next_run");
-        let denied: Option<String> = row.get(5).unwrap();
         let (rows, error) = match denied {
             Some(denied) => (None, Some(denied)),
             None => match run_each(client, &name, &query, owner) {
@@ -363,75 +428,119 @@ fn fire_one_each() -> bool {
                 Err(failure) => (None, Some(failure.message)),
             },
         };
-        client
-            .update(
-                "SELECT outbox._ran_each($1, $2, $3, $4)",
+        // Writing the jobs can fail too (rows PostgreSQL cannot put in one array): then the run
+        // is recorded as failed, not left due for ever.
+        let record = |rows: Option<Vec<String>>, error: Option<String>| {
+            crate::transaction::in_subtransaction(|| {
+                Spi::run_with_args(
+                    "SELECT outbox._ran_each($1, $2, $3, $4, $5)",
+                    &[
+                        DatumWithOid::from(name.as_str()),
+                        DatumWithOid::from(run),
+                        DatumWithOid::from(query.as_str()),
+                        DatumWithOid::from(rows),
+                        DatumWithOid::from(error),
+                    ],
+                )
+                .unwrap_or_else(|e| pgrx::error!("{e}"))
+            })
+        };
+        if let Err(failure) = record(rows, error) {
+            record(
                 None,
-                &[
-                    DatumWithOid::from(name.as_str()),
-                    DatumWithOid::from(run),
-                    DatumWithOid::from(rows),
-                    DatumWithOid::from(error),
-                ],
+                Some(format!("queueing its jobs failed: {}", failure.message)),
             )
-            .expect("queueing the jobs of an each schedule");
+            .unwrap_or_else(|f| pgrx::error!("recording a failed run of \"{name}\": {f}"));
+        }
         true
     })
 }
 
 /// The rows of an each query, as jsonb texts: a query of one jsonb column gives its values,
-/// any other the row as an object (`to_jsonb`). Runs as `owner`, as a handler runs.
+/// any other the row as an object (`to_jsonb`). Runs as `owner`, as a handler runs; read through
+/// a cursor, a few rows at a time, so that the limits hold before the memory is spent. Every
+/// refusal is an ERROR (caught by the subtransaction, recorded as the run's failure).
 fn run_each(
-    client: &pgrx::spi::SpiClient<'_>,
+    client: &mut pgrx::spi::SpiClient<'_>,
     name: &str,
     query: &str,
     owner: pg_sys::Oid,
-) -> Result<Vec<Option<String>>, crate::transaction::Failure> {
+) -> Result<Vec<String>, crate::transaction::Failure> {
     let target = crate::worker::Target::Schedule { name };
+    let max_row = crate::settings::MAX_EVENT_SIZE.get().max(1) as i64;
     crate::dispatch::as_handler_owner(owner, target, || {
-        let fail = |e: pgrx::spi::Error| -> ! { panic!("{e}") };
+        let fail = |e: pgrx::spi::Error| -> ! { pgrx::error!("{e}") };
+        // Checked again under the workers' own settings: it is still one query here.
+        let query = one_query(query);
         let shape = client
             .select(&format!("SELECT * FROM ({query}\n) r LIMIT 0"), None, &[])
             .unwrap_or_else(|e| fail(e));
         let whole = !(shape.columns().unwrap_or_else(|e| fail(e)) == 1
             && shape.column_type_oid(1).unwrap_or_else(|e| fail(e)).value() == pg_sys::JSONBOID);
-        let sql = if whole {
-            format!("SELECT pg_catalog.to_jsonb(r)::pg_catalog.text FROM ({query}\n) r LIMIT $1")
+        let row = if whole {
+            "pg_catalog.to_jsonb(r)::pg_catalog.text FROM (SELECT * FROM"
         } else {
-            format!("SELECT r.x::pg_catalog.text FROM ({query}\n) r(x) LIMIT $1")
+            "r.x::pg_catalog.text FROM (SELECT * FROM"
         };
-        let limit = EACH_MAX_ROWS as i64 + 1;
-        let rows = client
-            .select(&sql, None, &[DatumWithOid::from(limit)])
-            .unwrap_or_else(|e| fail(e));
-        if rows.len() > EACH_MAX_ROWS {
-            panic!("each returned more than {EACH_MAX_ROWS} rows");
+        let alias = if whole { "r" } else { "r(x)" };
+        // A row past the limit comes back as NULL with its length: never the row itself.
+        let sql = format!(
+            "SELECT CASE WHEN pg_catalog.octet_length(j) <= $1 THEN j END, pg_catalog.octet_length(j) \
+               FROM (SELECT {row} ({query}\n) q) {alias}) s(j)"
+        );
+        let mut cursor = client.open_cursor(&sql, &[DatumWithOid::from(max_row)]);
+        let (mut rows, mut bytes) = (Vec::new(), 0usize);
+        loop {
+            let batch = cursor.fetch(50).unwrap_or_else(|e| fail(e));
+            if batch.is_empty() {
+                break;
+            }
+            for r in batch {
+                let length = r.get::<i32>(2).unwrap_or_else(|e| fail(e));
+                let Some(text) = r.get::<String>(1).unwrap_or_else(|e| fail(e)) else {
+                    match length {
+                        None => pgrx::error!("each returned a NULL row"),
+                        Some(n) => pgrx::error!(
+                            "each returned a row of {n} bytes; pg_outbox.max_event_size is {max_row}"
+                        ),
+                    }
+                };
+                bytes += text.len();
+                if rows.len() >= EACH_MAX_ROWS {
+                    pgrx::error!("each returned more than {EACH_MAX_ROWS} rows");
+                }
+                if bytes > EACH_MAX_BYTES {
+                    pgrx::error!("each returned more than {EACH_MAX_BYTES} bytes");
+                }
+                rows.push(text);
+            }
         }
-        rows.map(|row| row.get::<String>(1).unwrap_or_else(|e| fail(e)))
-            .collect::<Vec<_>>()
+        rows
     })
 }
 
 /// The each schedule `name` ran a query that would not stop and ended its worker (see
-/// `worker::InHandler`): the run is recorded as failed, so the schedule moves on instead of
+/// `worker::InHandler`): the run is recorded as failed, so the schedule backs off instead of
 /// ending every worker that fires it.
 pub fn after_hang(name: &str) {
     let recorded = crate::transaction::in_transaction(|| {
         Spi::connect_mut(|client| {
-            let due = client.update(
-                "SELECT s.next_run FROM outbox.schedules s \
-                  WHERE s.name = $1 AND s.each IS NOT NULL AND s.next_run <= pg_catalog.now() FOR UPDATE",
+            let due = client.select(
+                "SELECT s.next_run, s.each FROM outbox.schedules s \
+                  WHERE s.name = $1 AND s.each IS NOT NULL AND s.next_run <= pg_catalog.now()",
                 None,
                 &[DatumWithOid::from(name)],
             )?;
             if let Some(row) = due.into_iter().next() {
                 let run: TimestampWithTimeZone = row.get(1)?.expect("next_run");
+                let each: String = row.get(2)?.expect("each");
                 client.update(
-                    "SELECT outbox._ran_each($1, $2, NULL, $3)",
+                    "SELECT outbox._ran_each($1, $2, $3, NULL, $4)",
                     None,
                     &[
                         DatumWithOid::from(name),
                         DatumWithOid::from(run),
+                        DatumWithOid::from(each.as_str()),
                         DatumWithOid::from(crate::dispatch::hang_failure().message),
                     ],
                 )?;

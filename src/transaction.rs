@@ -51,17 +51,29 @@ pub fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, Failure> {
         .catch_others(|e| Err(failure_from(e)))
         .execute();
     // SAFETY: ends the transaction begun above, one way or the other.
-    unsafe {
-        match result {
-            Ok(_) => {
+    let result = unsafe {
+        let result = match result {
+            Ok(value) => {
                 pg_sys::PopActiveSnapshot();
-                pg_sys::CommitTransactionCommand();
+                // The commit itself can raise an ERROR (a full notification queue, a deferred
+                // constraint): caught like any other, the transaction is then rolled back.
+                PgTryBuilder::new(|| {
+                    pg_sys::CommitTransactionCommand();
+                    Ok(())
+                })
+                .catch_others(|e| Err(failure_from(e)))
+                .execute()
+                .map(|()| value)
             }
-            Err(_) => pg_sys::AbortCurrentTransaction(),
+            Err(e) => Err(e),
+        };
+        if result.is_err() {
+            pg_sys::AbortCurrentTransaction();
         }
         // Let autovacuum see what the worker wrote and deleted (the outbox churns).
         pg_sys::pgstat_report_stat(false);
-    }
+        result
+    };
     result
 }
 

@@ -346,21 +346,14 @@ fn fan_out(
     let last: Position = last?.parse().expect("positions are well-formed");
     let matched = subs.len();
     if matched > 0 {
-        // External workers of the queues that get jobs to claim are woken when this commits.
+        // External workers of the queues that get jobs to claim are woken once this commits.
         let announced: std::collections::BTreeSet<&str> = group
             .iter()
             .filter(|s| s.handler.is_none() && s.verdicts.matches > 0)
             .map(|s| s.queue.as_str())
             .collect();
-        if !announced.is_empty() {
-            let announced: Vec<&str> = announced.into_iter().collect();
-            client
-                .update(
-                    crate::queue::NOTIFY_SQL,
-                    None,
-                    &[DatumWithOid::from(announced)],
-                )
-                .expect("announcing jobs");
+        for queue in announced {
+            crate::worker::announce_at_commit(queue, None);
         }
         client
             .update(

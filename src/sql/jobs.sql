@@ -562,7 +562,9 @@ $$;
 -- `every` every queue
 -- with jobs to claim (a worker that starts, or more announcements than shared memory held). Jobs
 -- that nobody claimed within their queue's expire_after die first ('expired'). The
--- notifications go out when this commits; they carry nothing but the queue's name.
+-- notifications go out when this commits; they carry nothing but the queue's name. While the
+-- server's notification queue is more than half full (a listener that stopped reading), nothing
+-- is sent and notified is -1: a full queue would fail the commit, and the workers with it.
 -- Returns the time it looked (the next `since`) and the milliseconds until the next waiting job
 -- comes due or expires (NULL: none).
 CREATE FUNCTION outbox._announce_jobs(queues text[], since timestamptz, leases_since timestamptz, every boolean,
@@ -597,8 +599,12 @@ BEGIN
                               AND (every OR j.lease_until > leases_since) AND j.handler IS NULL)))
          ORDER BY x.name
     LOOP
-        PERFORM pg_notify('outbox_jobs', q);
-        notified := notified + 1;
+        IF notified < 0 OR pg_notification_queue_usage() > 0.5 THEN
+            notified := -1;
+        ELSE
+            PERFORM pg_notify('outbox_jobs', q);
+            notified := notified + 1;
+        END IF;
     END LOOP;
     -- The next job to come due, and the next to expire (the oldest waiting job of a queue that
     -- expires them; one that was claimed before never expires, and is passed over).

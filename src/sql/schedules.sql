@@ -53,6 +53,8 @@ CREATE TABLE outbox.schedules (
     -- (0.2.0) Why the last run wrote nothing (its owner lost a right, an each query failed); NULL
     -- after a run that went through.
     last_error text,
+    -- (0.2.0) Runs of an each schedule that failed in a row: each waits longer (_ran_each).
+    failed_runs integer NOT NULL DEFAULT 0,
     -- _schedule() checks all of these with a clear message; the constraints keep the table sound
     -- against any other writer (a superuser's INSERT, a restore), since a row the firing
     -- statement cannot handle would stop every schedule from firing.
@@ -473,8 +475,8 @@ BEGIN
            (SELECT array_agg(DISTINCT q.queue) FROM queued q)
       INTO n, denied, queues
       FROM fired f;
-    -- External workers of the queues that got jobs are woken when this commits.
-    PERFORM pg_notify('outbox_jobs', q) FROM unnest(queues) q;
+    -- External workers of the queues that got jobs are woken once this commits (src/worker).
+    PERFORM outbox._announce(q) FROM unnest(queues) q;
     FOREACH d IN ARRAY coalesce(denied, '{}') LOOP
         RAISE WARNING 'pg_outbox: %', d USING HINT = 'grant the right back, or outbox.unschedule() it';
     END LOOP;
@@ -482,21 +484,26 @@ BEGIN
 END
 $$;
 
--- Records the run `run` of each schedule `name` (src/schedule.rs locked it, then ran its query as
--- the owner, in this transaction): rows are the payloads, a job each, keyed by the row's md5 in
--- the schedule's own namespace (index jobs_waiting_run; the run keys of other schedules have an
--- '@'), so a row whose job still waits gets no second one. error (rows NULL) is why the run wrote
--- nothing. The schedule moves on to its next run, or a one-off is deleted. Returns the jobs queued.
-CREATE FUNCTION outbox._ran_each(name text, run timestamptz, rows text[], error text) RETURNS integer
+-- Records the run `run` of each schedule `name`, whose query `each` src/schedule.rs ran as the
+-- owner (holding the schedule's advisory lock, with no row lock and no transaction id while the
+-- tenant's query ran): rows are the payloads, a job each, keyed by the row's md5 in the
+-- schedule's own namespace (index jobs_waiting_run; the run keys of other schedules have an
+-- '@'), so a row whose job still waits gets no second one. error (rows NULL) is why the run
+-- wrote nothing. The schedule moves on to its next run (a one-off is deleted); runs that fail in
+-- a row wait longer and longer (1 s doubling, up to an hour, and never less than the next regular
+-- run), and a one-off gives up after 10. Nothing is written when the schedule changed or went
+-- while the query ran (returns NULL). Returns the jobs queued.
+CREATE FUNCTION outbox._ran_each(name text, run timestamptz, each text, rows text[], error text) RETURNS integer
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    s   outbox.schedules;
-    bad text;
-    n   integer := 0;
+    s     outbox.schedules;
+    bad   text;
+    n     integer := 0;
+    after timestamptz;
 BEGIN
-    SELECT * INTO s FROM outbox.schedules x WHERE x.name = _ran_each.name;
-    IF NOT FOUND THEN
-        RETURN 0;
+    SELECT * INTO s FROM outbox.schedules x WHERE x.name = _ran_each.name FOR UPDATE;
+    IF NOT FOUND OR s.next_run IS DISTINCT FROM run OR s.each IS DISTINCT FROM _ran_each.each THEN
+        RETURN NULL;
     END IF;
     IF error IS NULL THEN
         SELECT coalesce(r, 'NULL') INTO bad
@@ -512,21 +519,32 @@ BEGIN
         ON CONFLICT (queue, schedule, key) WHERE schedule IS NOT NULL AND state = 'waiting' DO NOTHING;
         GET DIAGNOSTICS n = ROW_COUNT;
         IF n > 0 THEN
-            -- External workers of the queue are woken when this commits.
-            PERFORM pg_notify('outbox_jobs', s.queue);
+            -- External workers of the queue are woken once this commits (src/worker).
+            PERFORM outbox._announce(s.queue);
         END IF;
     END IF;
-    IF s.at_local IS NOT NULL THEN
-        DELETE FROM outbox.schedules x WHERE x.name = s.name;
+    IF error IS NULL OR (s.at_local IS NOT NULL AND s.failed_runs >= 9) THEN
+        IF s.at_local IS NOT NULL THEN
+            DELETE FROM outbox.schedules x WHERE x.name = s.name;
+        ELSE
+            UPDATE outbox.schedules x
+               SET next_run = outbox._next_run(x.every, x.daily_at, x.zone, x.weekly_on, now(), run),
+                   last_run = now(), fired = x.fired + 1, last_error = error, failed_runs = 0
+             WHERE x.name = s.name;
+        END IF;
     ELSE
+        after := now() + least(interval '1 hour', interval '1 second' * power(2, least(s.failed_runs, 12)));
         UPDATE outbox.schedules x
-           SET next_run = outbox._next_run(x.every, x.daily_at, x.zone, x.weekly_on, now(), run),
-               last_run = now(), fired = x.fired + 1, last_error = error
+           SET next_run = CASE WHEN x.at_local IS NOT NULL THEN after
+                               ELSE greatest(after, outbox._next_run(x.every, x.daily_at, x.zone, x.weekly_on, now(), run)) END,
+               last_run = now(), fired = x.fired + 1, last_error = error, failed_runs = x.failed_runs + 1
          WHERE x.name = s.name;
     END IF;
     IF error IS NOT NULL THEN
         RAISE WARNING 'pg_outbox: schedule "%" skipped a run: %', s.name, error
-            USING HINT = 'outbox.schedule_status() shows the last error; outbox.set_schedule() changes the query';
+            USING HINT = CASE WHEN s.at_local IS NOT NULL AND s.failed_runs >= 9
+                              THEN 'it ran once and failed 10 times: it is dropped'
+                              ELSE 'outbox.schedule_status() shows the last error; outbox.set_schedule() changes the query' END;
     END IF;
     RETURN n;
 END
@@ -557,10 +575,12 @@ LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
      LIMIT 1
 $$;
 
--- outbox.schedule_status(): one row per schedule, for operators.
-CREATE FUNCTION outbox.schedule_status()
+-- outbox.schedule_status() (src/schedule.rs) for the role `who`: one row per schedule. An each
+-- schedule's query and a run's error (which may quote its rows) are shown only to the roles that
+-- act for the schedule's owner and to members of pg_read_all_stats, as status() does.
+CREATE FUNCTION outbox._schedule_status(who oid)
 RETURNS TABLE (
-    name     text,
+    name       text,
     form       text,          -- 'every 00:00:30', 'daily at 02:30:00 America/New_York', 'weekly on monday at ...'
                               -- or 'once at 2027-01-15 09:00:00 Europe/Berlin'
     target     text,          -- 'topic <topic>', 'queue <queue>', or 'queue <queue>, each row of <query>'
@@ -570,7 +590,7 @@ RETURNS TABLE (
     owner      name,
     last_error text           -- why the last run wrote nothing; NULL after one that went through
 )
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT s.name,
            CASE WHEN s.every IS NOT NULL THEN 'every ' || s.every::text
                 WHEN s.at_local IS NOT NULL THEN 'once at ' || s.at_local::text || ' ' || s.zone
@@ -579,9 +599,15 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
                      || ' at ' || s.daily_at::text || ' ' || s.zone
                 ELSE 'daily at ' || s.daily_at::text || ' ' || s.zone END,
            CASE WHEN s.topic IS NOT NULL THEN 'topic ' || s.topic
-                WHEN s.each IS NOT NULL THEN 'queue ' || s.queue || ', each row of ' || s.each
+                WHEN s.each IS NOT NULL AND v.visible THEN 'queue ' || s.queue || ', each row of ' || s.each
+                WHEN s.each IS NOT NULL THEN 'queue ' || s.queue || ', each row of a query'
                 ELSE 'queue ' || s.queue END,
-           s.next_run, s.last_run, s.fired, r.rolname, s.last_error
-      FROM outbox.schedules s LEFT JOIN pg_catalog.pg_roles r ON r.oid = s.owner
+           s.next_run, s.last_run, s.fired, r.rolname,
+           CASE WHEN v.visible THEN s.last_error
+                WHEN s.last_error IS NOT NULL THEN 'a run failed (the error is shown to its owner)' END
+      FROM outbox.schedules s
+      LEFT JOIN pg_catalog.pg_roles r ON r.oid = s.owner
+     CROSS JOIN LATERAL (SELECT pg_has_role(who, s.owner, 'USAGE')
+                                OR pg_has_role(who, 'pg_read_all_stats', 'USAGE') AS visible) v
      ORDER BY s.name
 $$;

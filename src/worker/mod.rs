@@ -234,6 +234,9 @@ pub struct WorkerTable {
 const ANNOUNCED: usize = 256;
 /// Queues one transaction announces by name; past that, every queue of its database.
 const ANNOUNCED_PER_TRANSACTION: usize = 16;
+/// Entries one database may hold in `WorkerTable::announced`; past that, every queue of that
+/// database is announced (one busy database cannot push the others into that).
+const ANNOUNCED_PER_DATABASE: usize = 32;
 
 /// A queue (by name, in a database) with new jobs to claim, not yet notified.
 #[derive(Clone, Copy)]
@@ -890,11 +893,11 @@ fn register_wake() {
     });
 }
 
-/// The queues this transaction gave jobs that external workers claim (`all`: more than
-/// `ANNOUNCED_PER_TRANSACTION`).
+/// The queues this transaction gave jobs that external workers claim, each with the time its
+/// first job is due (`all`: more than `ANNOUNCED_PER_TRANSACTION`).
 #[derive(Default)]
 struct Announcing {
-    queues: Vec<String>,
+    queues: Vec<(String, i64)>,
     all: bool,
 }
 
@@ -902,38 +905,57 @@ thread_local! {
     static ANNOUNCING: std::cell::RefCell<Option<Announcing>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Announces at commit that `queue` has new jobs to claim: a worker of this database then sends
-/// `NOTIFY outbox_jobs, '<queue>'` in its own transaction. An application's transaction never
-/// notifies itself: NOTIFY takes a lock that serialises every committing notifier. A rollback
-/// announces nothing.
-pub fn announce_at_commit(queue: &str) {
+/// Announces at commit that `queue` has new jobs to claim, due at `due` (a timestamptz; None:
+/// now): a worker of this database then sends `NOTIFY outbox_jobs, '<queue>'` in its own
+/// transaction. An application's transaction never notifies itself: NOTIFY takes a lock that
+/// serialises every committing notifier, and a full notification queue fails the commit. A job
+/// not yet due when the transaction commits is left to the workers, who announce it when it comes
+/// due. A rollback announces nothing, and neither does PREPARE TRANSACTION (its COMMIT PREPARED
+/// may come from another session: the workers' poll finds those jobs).
+pub fn announce_at_commit(queue: &str, due: Option<i64>) {
     if !preloaded() {
         return;
     }
+    // SAFETY: reads the statement's start time, as now() does.
+    let due = due.unwrap_or_else(|| unsafe { pg_sys::GetCurrentStatementStartTimestamp() });
     let first = ANNOUNCING.with(|a| {
         let mut a = a.borrow_mut();
         let first = a.is_none();
         let pending = a.get_or_insert_with(Announcing::default);
-        if !pending.all && !pending.queues.iter().any(|q| q == queue) {
-            if pending.queues.len() < ANNOUNCED_PER_TRANSACTION && queue.len() <= 63 {
-                pending.queues.push(queue.to_string());
-            } else {
-                pending.all = true;
+        match pending.queues.iter().position(|(q, _)| q == queue) {
+            Some(i) => pending.queues[i].1 = pending.queues[i].1.min(due),
+            None if pending.all => {}
+            None if pending.queues.len() < ANNOUNCED_PER_TRANSACTION && queue.len() <= 63 => {
+                pending.queues.push((queue.to_string(), due))
             }
+            None => pending.all = true,
         }
         first
     });
     if first {
         pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
-            if let Some(pending) = ANNOUNCING.with(|a| a.borrow_mut().take()) {
-                publish(&pending);
-                wake_one();
+            if let Some(mut pending) = ANNOUNCING.with(|a| a.borrow_mut().take()) {
+                let now = now();
+                pending.queues.retain(|(_, due)| *due <= now);
+                if pending.all || !pending.queues.is_empty() {
+                    publish(&pending);
+                    wake_one();
+                }
             }
         });
         pgrx::register_xact_callback(PgXactCallbackEvent::Abort, || {
             ANNOUNCING.with(|a| a.borrow_mut().take());
         });
+        pgrx::register_xact_callback(PgXactCallbackEvent::PrePrepare, || {
+            ANNOUNCING.with(|a| a.borrow_mut().take());
+        });
     }
+}
+
+/// `announce_at_commit` for the extension's own SQL (schedules' runs). Not for PUBLIC.
+#[pg_extern(volatile, parallel_unsafe, name = "_announce")]
+fn announce_sql(queue: &str) {
+    announce_at_commit(queue, None);
 }
 
 /// Puts a committed transaction's announcements in shared memory. In a commit callback: no
@@ -942,14 +964,23 @@ fn publish(pending: &Announcing) {
     let database = my_database();
     let mut table = WORKERS.exclusive();
     let mut all = pending.all;
-    for queue in &pending.queues {
+    for (queue, _) in &pending.queues {
         let queue = queue.as_bytes();
+        let mine = table
+            .announced
+            .iter()
+            .filter(|e| e.database == database)
+            .count();
         if table
             .announced
             .iter()
             .any(|e| e.database == database && e.name() == queue)
         {
             continue;
+        }
+        if mine >= ANNOUNCED_PER_DATABASE {
+            all = true;
+            break;
         }
         let free = match table.announced.iter().position(|e| e.database == 0) {
             Some(free) => Some(free),

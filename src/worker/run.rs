@@ -84,6 +84,8 @@ struct Worker {
     jobs_since: Option<TimestampWithTimeZone>,
     /// ... when it looks next, when it last looked for lapsed leases, and when it looks next.
     jobs_check_at: Instant,
+    /// When it last said that the notification queue was too full to notify.
+    notify_full_warned: Option<Instant>,
     leases_since: Option<TimestampWithTimeZone>,
     jobs_leases_at: Instant,
     /// How many settings the backend had once the worker was set up.
@@ -172,6 +174,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         stop: false,
         jobs_since: None,
         jobs_check_at: Instant::now(),
+        notify_full_warned: None,
         leases_since: None,
         jobs_leases_at: Instant::now(),
         // SAFETY: reads the size of this backend's settings table.
@@ -403,6 +406,22 @@ impl Worker {
                     }
                     Err(e) => self.failed(&format!("firing schedules: {e}")),
                 }
+                // Each schedules one by one, each in a transaction of its own: a tenant's query
+                // runs in each (see schedule::fire_one_each).
+                let started = Instant::now();
+                for _ in 0..crate::schedule::EACH_PER_ROUND {
+                    if self.stopping() || started.elapsed() > crate::schedule::EACH_ROUND_TIME {
+                        break;
+                    }
+                    match in_transaction(crate::schedule::fire_one_each) {
+                        Ok(true) => self.worked = true,
+                        Ok(false) => break,
+                        Err(e) => {
+                            self.failed(&format!("firing an each schedule: {e}"));
+                            break;
+                        }
+                    }
+                }
             }
             Some(ms) => sleep = sleep.min(Duration::from_millis(ms as u64)),
             None => {}
@@ -466,6 +485,10 @@ impl Worker {
         let every = all || (look && self.jobs_since.is_none());
         activity("announcing jobs");
         let looked = in_transaction(|| {
+            // Never waits: a DDL in progress on the tables holds this look until the next round.
+            if !dispatch::lock_tables() {
+                return Ok((None, None, None));
+            }
             Spi::get_three_with_args::<TimestampWithTimeZone, i64, i32>(
                 "SELECT checked, due_in, notified FROM outbox._announce_jobs($1, $2, $3, $4)",
                 &[
@@ -481,7 +504,19 @@ impl Worker {
             )
         });
         match looked {
-            Ok(Ok((checked, due_in, _))) => {
+            Ok(Ok((None, _, _))) => {}
+            Ok(Ok((checked, due_in, notified))) => {
+                if notified == Some(-1)
+                    && self
+                        .notify_full_warned
+                        .is_none_or(|at| at.elapsed() > Duration::from_secs(60))
+                {
+                    self.notify_full_warned = Some(now);
+                    pgrx::warning!(
+                        "pg_outbox worker {}: the server's notification queue is more than half full; external job workers are not notified until it drains",
+                        self.slot
+                    );
+                }
                 if look {
                     self.jobs_since = checked;
                     // At least JOBS_LOOK_MIN: a job that expired but is held by a claim without

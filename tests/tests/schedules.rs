@@ -1100,3 +1100,145 @@ fn an_each_schedule_queues_one_job_per_row_as_its_owner() {
     }
     o.batch_execute("SELECT outbox.unschedule('peek')").unwrap();
 }
+
+#[test]
+fn each_schedules_cannot_stall_crash_or_flood_the_workers() {
+    let db = worker_db("sched_each_abuse");
+    let mut c = db.connect();
+    let (app, other) = (
+        format!("abuse_app_{}", db.name),
+        format!("abuse_other_{}", db.name),
+    );
+    c.batch_execute(&format!(
+        "CREATE ROLE {app} LOGIN; CREATE ROLE {other} LOGIN;
+         GRANT USAGE ON SCHEMA outbox TO {app}, {other};
+         GRANT EXECUTE ON FUNCTION outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
+                                   outbox.schedule_status(), outbox.unschedule(text),
+                                   outbox.enqueue(text, jsonb, timestamptz, text, integer) TO {app}, {other};"
+    ))
+    .unwrap();
+    let mut a = db.connect_as(&app);
+    // The parse rules of the workers hold at creation, whatever the session says: with
+    // standard_conforming_strings off, '\' would not end this string and the text would be one
+    // SELECT; in the workers it is a SELECT, a DELETE and another SELECT.
+    a.batch_execute("SET standard_conforming_strings = off")
+        .unwrap();
+    assert_eq!(
+        sqlstate(
+            &mut a,
+            "SELECT outbox.schedule('sneak', every => '1 minute', queue => 'sneak', each => $q$SELECT 1 AS a, '\\' ) r; DELETE FROM outbox.jobs; SELECT * FROM (SELECT 1 AS a /*' -- */
+, 2 AS b$q$)"
+        ),
+        "42601"
+    );
+    a.batch_execute("RESET standard_conforming_strings")
+        .unwrap();
+    assert_eq!(
+        sqlstate(
+            &mut a,
+            &format!(
+                "SELECT outbox.schedule('long', every => '1 minute', queue => 'q', each => 'SELECT 1 AS n{}')",
+                " ".repeat(70_000)
+            )
+        ),
+        "22023"
+    );
+    let workers = db.cluster().worker_pids();
+    a.batch_execute(
+        "SELECT outbox.schedule('many', every => '1 second', queue => 'many',
+                                each => 'SELECT g FROM generate_series(1, 100001) g');
+         SELECT outbox.schedule('huge', every => '1 second', queue => 'huge',
+                                each => 'SELECT repeat(''x'', 2000000) AS x');
+         SELECT outbox.schedule('slow', every => '1 second', queue => 'slow',
+                                each => 'SELECT 1 AS x FROM pg_sleep(2)');",
+    )
+    .unwrap();
+    // While a tenant's query runs, the worker holds no transaction id (which would hold every
+    // reader's horizon back).
+    let mut seen_sleeping = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while seen_sleeping < 5 && Instant::now() < deadline {
+        for row in c
+            .query(
+                "SELECT backend_xid::text FROM pg_stat_activity
+                  WHERE backend_type = 'pg_outbox worker' AND wait_event = 'PgSleep'",
+                &[],
+            )
+            .unwrap()
+        {
+            seen_sleeping += 1;
+            assert_eq!(
+                row.get::<_, Option<String>>(0),
+                None,
+                "a worker holds an xid while a tenant's query runs"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(seen_sleeping >= 5, "the slow query was never seen running");
+    let mut error = |name: &str| -> Option<String> {
+        a.query_one(
+            "SELECT last_error FROM outbox.schedule_status() WHERE name = $1",
+            &[&name],
+        )
+        .unwrap()
+        .get(0)
+    };
+    let many = eventually("the 100,001 rows refused", Duration::from_secs(15), || {
+        error("many")
+    });
+    assert!(many.contains("more than 100000 rows"), "{many}");
+    let huge = eventually("the huge row refused", Duration::from_secs(15), || {
+        error("huge")
+    });
+    assert!(huge.contains("pg_outbox.max_event_size"), "{huge}");
+    // Failing runs back off: 1 s, 2 s, 4 s ... between runs, not one a second.
+    eventually("a third failed run", Duration::from_secs(20), || {
+        let failed: i32 = c
+            .query_one(
+                "SELECT failed_runs FROM outbox.schedules WHERE name = 'many'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        (failed >= 3).then_some(())
+    });
+    let gap: f64 = c
+        .query_one(
+            "SELECT extract(epoch FROM next_run - last_run)::float8 FROM outbox.schedules WHERE name = 'many'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        gap >= 3.5,
+        "the next run after three failures is {gap} s after the last"
+    );
+    let jobs: i64 = c
+        .query_one("SELECT count(*) FROM outbox.jobs", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(jobs, 1, "only the slow schedule's row became a job");
+    let now = db.cluster().worker_pids();
+    assert!(
+        workers.iter().all(|pid| now.contains(pid)),
+        "no worker exited: {workers:?} then {now:?}"
+    );
+    // Another role sees that a run failed, not the query or the error.
+    let mut o = db.connect_as(&other);
+    let row = o
+        .query_one(
+            "SELECT target, last_error FROM outbox.schedule_status() WHERE name = 'many'",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "queue many, each row of a query");
+    assert_eq!(
+        row.get::<_, Option<String>>(1).as_deref(),
+        Some("a run failed (the error is shown to its owner)")
+    );
+    for name in ["many", "huge", "slow"] {
+        a.batch_execute(&format!("SELECT outbox.unschedule('{name}')"))
+            .unwrap();
+    }
+}

@@ -28,6 +28,9 @@ for p in postgresql-15 postgresql-server-dev-15 postgresql-contrib libclang-dev 
 done
 # The machine's Node.js and npm run examples/node/worker.js; Debian's only where there are none.
 command -v npm >/dev/null || need+=(nodejs npm)
+# Java 17 and Maven fetch and run the Apache Kafka broker of the Kafka sink tests (scripts/kafka.sh).
+command -v java >/dev/null || need+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null || need+=(maven)
 if ((${#need[@]})); then
   say "installing Debian packages: ${need[*]}"
   apt-get update -qq
@@ -35,6 +38,10 @@ if ((${#need[@]})); then
 fi
 
 # The Debian package starts a 'main' cluster on 5432; pg_outbox never uses it. Leave it alone.
+
+# Apache Kafka 4's jars from Maven Central, once, into the cache outside the clone (about 30 s).
+source "$(dirname "$0")/kafka.sh"
+kafka_install
 
 if ! cargo pgrx --version 2>/dev/null | grep -qx "cargo-pgrx $PGRX_VERSION"; then
   say "installing cargo-pgrx $PGRX_VERSION (about 5 minutes on 2 cores)"

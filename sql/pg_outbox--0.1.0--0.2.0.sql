@@ -689,6 +689,37 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                    THEN jsonb_build_object('tracestate', e.headers -> 'tracestate') ELSE '{}'::jsonb END
 $$;
 
+-- Kafka sinks (issue #13): a kind of sink, where each produces, how an event becomes a message.
+ALTER TABLE outbox.sinks DROP CONSTRAINT sinks_kind_check,
+    ADD CONSTRAINT sinks_kind_check CHECK (kind IN ('sql', 'http', 'kafka'));
+-- Where a Kafka sink produces, and how (src/dispatch/kafka.rs). No role but the extension's owner
+-- can read it: properties may hold credentials (sasl.password, ssl.key.pem, ssl.key.password).
+-- outbox.status() shows none of it.
+CREATE TABLE outbox.kafka_sinks (
+    id          text    NOT NULL PRIMARY KEY REFERENCES outbox.sinks (id) ON DELETE CASCADE,
+    -- host:port[,host:port...], checked against pg_outbox.kafka_allowed_brokers at each pass.
+    brokers     text    NOT NULL,
+    -- A Kafka topic, or a template with {topic} (the event's topic) once.
+    kafka_topic text    NOT NULL,
+    -- The message key: the event's subject, its tenant, or none.
+    key         text    NOT NULL CHECK (key IN ('subject', 'tenant', 'none')),
+    -- librdkafka properties from pg_outbox_core::kafka's allowlist.
+    properties  jsonb   NOT NULL DEFAULT '{}' CHECK (pg_catalog.jsonb_typeof(properties) = 'object'),
+    -- A message not acknowledged within this long fails (message.timeout.ms).
+    timeout_ms  integer NOT NULL CHECK (timeout_ms BETWEEN 1000 AND 600000)
+);
+
+-- One event as a Kafka sink sends it (src/dispatch/kafka.rs makes the message): its attributes,
+-- its own headers, and its payload as text, the message's value, exactly as PostgreSQL prints it
+-- (no number rounded on the way).
+CREATE FUNCTION outbox._kafka_message(e outbox.event) RETURNS jsonb
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT jsonb_build_object('id', e.id, 'position', e.position, 'topic', e.topic, 'subject', e.subject,
+                              'tenant', e.tenant, 'headers', e.headers,
+                              'time', to_char(e.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+                              'value', e.payload::text)
+$$;
+
 CREATE OR REPLACE FUNCTION outbox._zoned_instant(wall timestamp, zone text) RETURNS timestamptz
 LANGUAGE plpgsql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -1373,11 +1404,26 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'announce_sql_wrapper';
 
+CREATE FUNCTION outbox."create_kafka_sink"(
+	"id" TEXT,
+	"brokers" TEXT,
+	"kafka_topic" TEXT,
+	"topics" TEXT[] DEFAULT NULL,
+	"key" TEXT DEFAULT 'subject',
+	"batch_size" INT DEFAULT NULL,
+	"properties" jsonb DEFAULT '{}',
+	"timeout_ms" INT DEFAULT 30000,
+	"start_at" TEXT DEFAULT 'origin'
+) RETURNS TEXT
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'create_kafka_sink_wrapper';
+
 -- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install), named one by one:
 -- a REVOKE on every function would record the grants users made on the others as the
 -- extension's own initial privileges (pg_dump would then leave them out), and default
 -- privileges may have given the new ones ACLs of their own.
-REVOKE ALL ON TABLE outbox.queues, outbox.queue_grants, outbox.lineage FROM PUBLIC;
+REVOKE ALL ON TABLE outbox.queues, outbox.queue_grants, outbox.lineage, outbox.kafka_sinks FROM PUBLIC;
 DO $$
 DECLARE
     f regprocedure;
@@ -1392,7 +1438,7 @@ BEGIN
                     '_start_delivery', 'metrics', '_log_txid', '_log_horizon',
                     'set_schedule', 'schedule', 'schedule_status', '_schedule', '_schedule_allowed',
                     '_schedule_denied', '_ran_each', '_place_one_offs', '_check_expire_after', '_alter_queue',
-                    'alter_queue', '_announce_jobs', '_schedule_status', '_announce']) LOOP
+                    'alter_queue', '_announce_jobs', '_schedule_status', '_announce', 'create_kafka_sink', '_kafka_message']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

@@ -61,6 +61,14 @@ pub static HTTP_ALLOW_PRIVATE: GucSetting<bool> = GucSetting::<bool>::new(false)
 pub static HTTP_ALLOWED_HOSTS: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c""));
 
+/// Kafka sinks may connect to private, loopback and shared (CGNAT) addresses. Superuser only.
+pub static KAFKA_ALLOW_PRIVATE: GucSetting<bool> = GucSetting::<bool>::new(false);
+
+/// Broker hosts Kafka sinks may name: comma-separated names or `*.suffix` patterns; empty: any
+/// host the address rules allow. Superuser only.
+pub static KAFKA_ALLOWED_BROKERS: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c""));
+
 /// Connecting to an HTTP sink may take this long before the attempt counts as a transient failure.
 pub static HTTP_CONNECT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(3_000);
 
@@ -205,6 +213,22 @@ pub fn init() {
         GucContext::Suset,
         GucFlags::default(),
     );
+    GucRegistry::define_bool_guc(
+        c"pg_outbox.kafka_allow_private",
+        c"Whether Kafka sinks may connect to private, loopback and shared (CGNAT) addresses.",
+        c"Link-local, metadata, multicast and reserved addresses are refused whatever this says. Every connection the producer opens is checked, to the brokers the cluster's metadata names too.",
+        &KAFKA_ALLOW_PRIVATE,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"pg_outbox.kafka_allowed_brokers",
+        c"Broker hosts Kafka sinks may name (comma-separated names or *.suffix patterns; empty: any).",
+        c"",
+        &KAFKA_ALLOWED_BROKERS,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
     GucRegistry::define_string_guc(
         c"pg_outbox.http_allowed_hosts",
         c"Hosts HTTP sinks may reach (comma-separated names or *.suffix patterns; empty: any).",
@@ -309,6 +333,19 @@ pub fn http_allowed_hosts() -> String {
 }
 
 /// The destination rules as configured now.
+pub fn kafka_allowed_brokers() -> String {
+    KAFKA_ALLOWED_BROKERS
+        .get()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+pub fn kafka_allow() -> pg_outbox_core::kafka::Allow {
+    pg_outbox_core::kafka::Allow {
+        private_addresses: KAFKA_ALLOW_PRIVATE.get(),
+    }
+}
+
 pub fn http_allow() -> pg_outbox_core::http::Allow {
     pg_outbox_core::http::Allow {
         plain_http: HTTP_ALLOW_PLAIN.get(),

@@ -8,7 +8,7 @@ use crate::raw::RawRegprocedure;
 use crate::settings;
 use pg_outbox_core::limits::{PATTERNS_MAX, PATTERNS_MAX_BYTES};
 use pg_outbox_core::pattern::Pattern;
-use pg_outbox_core::{http, name as names, required, Invalid, InvalidKind, Position};
+use pg_outbox_core::{http, kafka, name as names, required, Invalid, InvalidKind, Position};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 
@@ -103,6 +103,7 @@ pub(crate) fn topic_regex(topics: Option<Vec<Option<String>>>) -> Result<Option<
 /// batch size, creates the cursor and the sinks row. Returns the starting cursor.
 fn register(
     id: &str,
+    kind: &str,
     handler: Option<pg_sys::Oid>,
     topics: Option<Vec<Option<String>>>,
     batch_size: Option<i32>,
@@ -127,7 +128,6 @@ fn register(
     if !insert_consumer(id, "sink", cursor, caller()) {
         Error::ConsumerExists(id.into()).report();
     }
-    let kind = if handler.is_some() { "sql" } else { "http" };
     as_owner(|| {
         Spi::run_with_args(
             "INSERT INTO outbox.sinks (id, kind, handler, topics, topic_regex, batch_size, current_batch) \
@@ -163,7 +163,7 @@ fn create_sink(
     names::validate("sink", id).or_report();
     let handler = required(handler, "handler").or_report().oid();
     check_handler(handler, "outbox.event[]");
-    register(id, Some(handler), topics, batch_size, start_at).to_string()
+    register(id, "sql", Some(handler), topics, batch_size, start_at).to_string()
 }
 
 /// Registers an HTTP sink: the worker POSTs batches of the events whose topic matches `topics`
@@ -218,7 +218,7 @@ fn create_http_sink(
         ))
         .report();
     }
-    let cursor = register(id, None, topics, batch_size, start_at);
+    let cursor = register(id, "http", None, topics, batch_size, start_at);
     as_owner(|| {
         Spi::run_with_args(
             "INSERT INTO outbox.http_sinks (id, url, headers, secret, timeout_ms) VALUES ($1, $2, $3, $4, $5)",
@@ -232,6 +232,70 @@ fn create_http_sink(
         )
     })
     .unwrap_or_else(|e| panic!("creating http sink: {e}"));
+    cursor.to_string()
+}
+
+/// Registers a Kafka sink: the worker produces the events whose topic matches `topics` (NULL:
+/// all) to `kafka_topic` on `brokers`, one message per event (CloudEvents binary mode: the
+/// payload as value, the attributes as `ce_*` headers), keyed by the event's subject (or tenant,
+/// or nothing). `kafka_topic` is a Kafka topic, or a template with `{topic}`, the event's topic.
+/// `properties` are librdkafka settings from an allowlist (TLS, SASL, compression, batching).
+/// Returns the starting cursor.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::too_many_arguments)]
+fn create_kafka_sink(
+    id: Option<&str>,
+    brokers: Option<&str>,
+    kafka_topic: Option<&str>,
+    topics: default!(Option<Vec<Option<String>>>, "NULL"),
+    key: default!(Option<&str>, "'subject'"),
+    batch_size: default!(Option<i32>, "NULL"),
+    properties: default!(Option<pgrx::JsonB>, "'{}'"),
+    timeout_ms: default!(Option<i32>, "30000"),
+    start_at: default!(Option<&str>, "'origin'"),
+) -> String {
+    // Whatever fails from here on, the log must not show the statement: properties may hold a
+    // password or a private key.
+    crate::secrets::hide_statement_until_transaction_end();
+    let id = required(id, "id").or_report();
+    names::validate("sink", id).or_report();
+    let brokers = required(brokers, "brokers").or_report();
+    let parsed = kafka::parse_brokers(brokers, &settings::kafka_allowed_brokers()).or_report();
+    for broker in &parsed {
+        if let Ok(ip) = broker.host.parse::<std::net::IpAddr>() {
+            kafka::check_address(ip, settings::kafka_allow()).or_report();
+        }
+    }
+    kafka::TopicTemplate::parse(required(kafka_topic, "kafka_topic").or_report()).or_report();
+    let key = kafka::Key::parse(required(key, "key").or_report()).or_report();
+    let properties = properties
+        .map(|p| p.0)
+        .unwrap_or_else(|| serde_json::Value::Object(Default::default()));
+    kafka::check_properties(&properties).or_report();
+    let timeout_ms = required(timeout_ms, "timeout_ms").or_report();
+    if !(1_000..=600_000).contains(&timeout_ms) {
+        Error::from(Invalid::new(
+            InvalidKind::Parameter,
+            format!("timeout_ms must be between 1000 and 600000, not {timeout_ms}"),
+        ))
+        .report();
+    }
+    let cursor = register(id, "kafka", None, topics, batch_size, start_at);
+    as_owner(|| {
+        Spi::run_with_args(
+            "INSERT INTO outbox.kafka_sinks (id, brokers, kafka_topic, key, properties, timeout_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+            &[
+                DatumWithOid::from(id),
+                DatumWithOid::from(kafka::bootstrap_servers(&parsed).as_str()),
+                DatumWithOid::from(kafka_topic),
+                DatumWithOid::from(key.as_str()),
+                DatumWithOid::from(pgrx::JsonB(properties)),
+                DatumWithOid::from(timeout_ms),
+            ],
+        )
+    })
+    .unwrap_or_else(|e| panic!("creating kafka sink: {e}"));
     cursor.to_string()
 }
 

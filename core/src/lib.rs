@@ -9,6 +9,7 @@ pub mod budget;
 pub mod filter;
 pub mod http;
 pub mod id;
+pub mod kafka;
 pub mod limits;
 pub mod name;
 pub mod pattern;

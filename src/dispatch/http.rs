@@ -1,11 +1,13 @@
-//! One delivery pass of an HTTP sink.
+//! One delivery pass of a remote sink: an HTTP sink, or a Kafka sink (`dispatch::kafka`).
 //!
 //! Unlike a SQL sink, the network call must happen with no transaction open. So a pass is:
 //! transaction 1 takes the sink's lease (in the workers' shared memory, which outlives the
-//! transaction), reads a window with the read rule and renders it as a CloudEvents batch; the
-//! POST runs on a thread of its own that never calls Postgres; transaction 2 records the outcome
-//! (cursor, failure policy, dead letter) and the lease is released. A worker that dies releases
-//! the lease with its session. The cursor moves only after a 2xx: at least once.
+//! transaction), reads a window with the read rule and renders it (a CloudEvents batch for HTTP,
+//! one message per event for Kafka); the POST, or the produce and the wait for every
+//! acknowledgement, runs on a thread of its own that never calls Postgres; transaction 2 records
+//! the outcome (cursor, failure policy, dead letter) and the lease is released. A worker that
+//! dies releases the lease with its session. The cursor moves only after a 2xx, or once every
+//! message of the window is acknowledged: at least once.
 
 use super::{save_state, PassResult};
 use crate::settings;
@@ -27,6 +29,24 @@ struct Request {
     body: String,
 }
 
+/// Where a remote sink's windows go.
+#[derive(Clone)]
+enum Transport {
+    Http {
+        url: String,
+        headers: Vec<(String, String)>,
+        secret: Option<String>,
+    },
+    Kafka {
+        /// `host:port,...` as created (checked again against the allowlist at each pass).
+        brokers: String,
+        target: super::kafka::Target,
+        /// The sink's properties, checked (`pg_outbox_core::kafka::check_properties`); None when
+        /// the stored ones no longer pass (the pass fails, saying why).
+        properties: Result<Vec<(String, String)>, String>,
+    },
+}
+
 #[derive(Clone)]
 struct Sink {
     id: String,
@@ -40,10 +60,20 @@ struct Sink {
     max_batch: u32,
     state: SinkState,
     cursor: Position,
-    url: String,
-    headers: Vec<(String, String)>,
-    secret: Option<String>,
+    transport: Transport,
     timeout_ms: i32,
+}
+
+impl Sink {
+    fn is_kafka(&self) -> bool {
+        matches!(self.transport, Transport::Kafka { .. })
+    }
+
+    /// `http sink "id"` or `kafka sink "id"`, for the server log.
+    fn label(&self) -> String {
+        let kind = if self.is_kafka() { "kafka" } else { "http" };
+        format!("{kind} sink \"{}\"", self.id)
+    }
 }
 
 /// A window rendered for the wire.
@@ -69,7 +99,7 @@ fn lease_and_read(id: &str) -> Prepared {
     Spi::connect(|client| {
         let key = client.select(
             "SELECT s.lease_key FROM outbox.sinks s \
-              WHERE s.id OPERATOR(pg_catalog.=) $1 AND s.kind OPERATOR(pg_catalog.=) 'http'",
+              WHERE s.id OPERATOR(pg_catalog.=) $1 AND s.kind OPERATOR(pg_catalog.<>) 'sql'",
             Some(1),
             &[DatumWithOid::from(id)],
         )?;
@@ -83,10 +113,13 @@ fn lease_and_read(id: &str) -> Prepared {
         crate::transaction::refresh_snapshot();
         let rows = client.select(
             "SELECT s.batch_size, s.current_batch, s.attempts, c.txid::text, c.seq, \
-                    h.url, h.headers::text, h.secret, h.timeout_ms, c.rewinds, s.transient, c.owner \
+                    h.url, h.headers::text, h.secret, coalesce(h.timeout_ms, k.timeout_ms), c.rewinds, \
+                    s.transient, c.owner, k.brokers, k.kafka_topic, k.key, k.properties::text, \
+                    pg_catalog.current_database()::text \
                FROM outbox.sinks s JOIN outbox.consumers c ON c.name = s.id \
-               JOIN outbox.http_sinks h ON h.id = s.id \
-              WHERE s.id = $1 AND NOT s.paused \
+               LEFT JOIN outbox.http_sinks h ON h.id = s.id \
+               LEFT JOIN outbox.kafka_sinks k ON k.id = s.id \
+              WHERE s.id = $1 AND NOT s.paused AND (h.id IS NOT NULL OR k.id IS NOT NULL) \
                 AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= pg_catalog.now())",
             Some(1),
             &[DatumWithOid::from(id)],
@@ -104,9 +137,51 @@ fn lease_and_read(id: &str) -> Prepared {
             return Ok(Prepared::Absent);
         }
         let txid: String = r.get(4)?.expect("txid");
-        let headers: String = r.get(7)?.expect("headers");
-        let headers: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_str(&headers).expect("http_sinks.headers is a JSON object");
+        let transport = match r.get::<String>(13)? {
+            Some(brokers) => {
+                let template: String = r.get(14)?.expect("kafka_topic");
+                let key: String = r.get(15)?.expect("key");
+                let properties: String = r.get(16)?.expect("properties");
+                let database: String = r.get(17)?.expect("database");
+                let properties = serde_json::from_str::<serde_json::Value>(&properties)
+                    .map_err(|e| e.to_string())
+                    .and_then(|p| {
+                        pg_outbox_core::kafka::check_properties(&p).map_err(|e| e.message)
+                    });
+                let target = pg_outbox_core::kafka::TopicTemplate::parse(&template)
+                    .and_then(|t| pg_outbox_core::kafka::Key::parse(&key).map(|k| (t, k)));
+                match target {
+                    Ok((template, key)) => Transport::Kafka {
+                        brokers,
+                        target: super::kafka::Target {
+                            template,
+                            key,
+                            source: format!("/pg_outbox/{}", super::kafka::source_name(&database)),
+                        },
+                        properties,
+                    },
+                    Err(e) => {
+                        super::pause_orphan(id, owner)?;
+                        unlock(lease_key);
+                        pgrx::warning!("pg_outbox: kafka sink \"{id}\" is paused: its stored configuration is invalid: {}", e.message);
+                        return Ok(Prepared::Absent);
+                    }
+                }
+            }
+            None => {
+                let headers: String = r.get(7)?.expect("headers");
+                let headers: serde_json::Map<String, serde_json::Value> =
+                    serde_json::from_str(&headers).expect("http_sinks.headers is a JSON object");
+                Transport::Http {
+                    url: r.get(6)?.expect("url"),
+                    headers: headers
+                        .into_iter()
+                        .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_string()))
+                        .collect(),
+                    secret: r.get(8)?,
+                }
+            }
+        };
         let sink = Sink {
             id: id.to_string(),
             lease_key,
@@ -118,12 +193,7 @@ fn lease_and_read(id: &str) -> Prepared {
                 attempts: r.get::<i32>(3)?.expect("attempts").max(0) as u32,
             },
             cursor: Position::new(txid.parse().expect("xid8"), r.get(5)?.expect("seq")),
-            url: r.get(6)?.expect("url"),
-            headers: headers
-                .into_iter()
-                .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_string()))
-                .collect(),
-            secret: r.get(8)?,
+            transport,
             // Capped by the superuser's setting, whatever the sink asked for.
             timeout_ms: r
                 .get::<i32>(9)?
@@ -131,12 +201,14 @@ fn lease_and_read(id: &str) -> Prepared {
                 .min(settings::HTTP_MAX_TIMEOUT_MS.get()),
         };
         let replay = client.select(
-            "SELECT d.txid::text, d.seq, pg_catalog.jsonb_build_array(outbox._cloudevent(d.event))::text, \
+            "SELECT d.txid::text, d.seq, \
+                    pg_catalog.jsonb_build_array(CASE WHEN $2 THEN outbox._kafka_message(d.event) \
+                                                      ELSE outbox._cloudevent(d.event) END)::text, \
                     (d.event).id::text \
                FROM outbox.dead_letters d WHERE d.sink = $1 AND d.replay_requested_at IS NOT NULL \
               ORDER BY d.txid, d.seq LIMIT 1",
             Some(1),
-            &[DatumWithOid::from(id)],
+            &[DatumWithOid::from(id), DatumWithOid::from(sink.is_kafka())],
         )?;
         if !replay.is_empty() {
             let r = replay.first();
@@ -153,7 +225,8 @@ fn lease_and_read(id: &str) -> Prepared {
         }
         let max = sink.state.batch.min(sink.max_batch);
         // A window that cannot be rendered goes through the failure policy, as a refusal would.
-        match crate::transaction::in_subtransaction(|| read_window(client, id, sink.cursor, max)) {
+        let kafka = sink.is_kafka();
+        match crate::transaction::in_subtransaction(|| read_window(client, id, sink.cursor, max, kafka)) {
             Ok(window) => Ok(Prepared::Ready(Box::new((sink, window?)))),
             Err(failure) => {
                 let shape = super::window_shape(client, sink.cursor, max)?;
@@ -165,25 +238,28 @@ fn lease_and_read(id: &str) -> Prepared {
             }
         }
     })
-    .unwrap_or_else(|e: pgrx::spi::Error| panic!("preparing http sink \"{id}\": {e}"))
+    .unwrap_or_else(|e: pgrx::spi::Error| panic!("preparing sink \"{id}\": {e}"))
 }
 
-/// The CloudEvents batch of the events after `after` that the sink's topics match.
+/// The window of the events after `after` that the sink's topics match: the CloudEvents batch
+/// of an HTTP sink, or ($6) a Kafka sink's messages (`outbox._kafka_message`).
 const WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
         count(*) FILTER (WHERE m.ok)::int8, \
-        (pg_catalog.jsonb_agg(outbox._cloudevent(ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, \
-                                                     r.headers, r.raised_at)::outbox.event) \
+        (pg_catalog.jsonb_agg(CASE WHEN $6 THEN outbox._kafka_message(e.e) ELSE outbox._cloudevent(e.e) END \
                               ORDER BY r.n) FILTER (WHERE m.ok))::text, \
         pg_catalog.array_agg(r.id::text ORDER BY r.n) FILTER (WHERE m.ok) \
    FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $5) r \
   CROSS JOIN LATERAL (SELECT s.topic_regex IS NULL OR r.topic ~ s.topic_regex AS ok \
-                        FROM outbox.sinks s WHERE s.id = $4) m";
+                        FROM outbox.sinks s WHERE s.id = $4) m \
+  CROSS JOIN LATERAL (SELECT ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, \
+                                 r.headers, r.raised_at)::outbox.event AS e) e";
 
 fn read_window(
     client: &pgrx::spi::SpiClient<'_>,
     id: &str,
     after: Position,
     max: u32,
+    kafka: bool,
 ) -> Result<Window, pgrx::spi::Error> {
     let t = client.select(
         WINDOW_SQL,
@@ -194,6 +270,7 @@ fn read_window(
             DatumWithOid::from(max as i32),
             DatumWithOid::from(id),
             DatumWithOid::from(settings::MAX_BATCH_BYTES.get() as i64),
+            DatumWithOid::from(kafka),
         ],
     )?;
     let r = t.first();
@@ -461,7 +538,18 @@ fn failure(reason: &str) -> Failure {
 /// (with their connections) once unused for `AGENT_IDLE`: a dropped sink's, or one whose
 /// configuration changed.
 #[derive(Default)]
-pub struct Agents(HashMap<String, (ureq::Agent, std::time::Instant)>);
+pub struct Agents {
+    http: HashMap<String, (ureq::Agent, std::time::Instant)>,
+    /// Kafka producers by sink: (producer, its configuration, last used).
+    kafka: HashMap<
+        String,
+        (
+            std::sync::Arc<super::kafka::Producer>,
+            String,
+            std::time::Instant,
+        ),
+    >,
+}
 
 const AGENT_IDLE: Duration = Duration::from_secs(120);
 
@@ -477,7 +565,7 @@ impl Agents {
         );
         self.expire();
         let now = std::time::Instant::now();
-        let entry = self.0.entry(key).or_insert_with(|| {
+        let entry = self.http.entry(key).or_insert_with(|| {
             (
                 agent(Duration::from_millis(sink.timeout_ms as u64), allow),
                 now,
@@ -487,21 +575,109 @@ impl Agents {
         entry.0.clone()
     }
 
-    /// Drops the agents unused for a while (called every round, so that idle ones go too).
+    /// The Kafka producer of `sink`: kept between passes, made again when its configuration or
+    /// the allowed addresses changed, or after a fatal error.
+    fn producer(&mut self, sink: &Sink) -> Result<std::sync::Arc<super::kafka::Producer>, String> {
+        let Transport::Kafka {
+            brokers,
+            properties,
+            ..
+        } = &sink.transport
+        else {
+            unreachable!("a Kafka sink's producer");
+        };
+        let properties = properties.clone()?;
+        let allow = settings::kafka_allow();
+        let config = super::kafka::producer_properties(brokers, &properties, sink.timeout_ms);
+        let fingerprint = format!("{config:?}|{allow:?}");
+        self.expire();
+        let now = std::time::Instant::now();
+        if let Some((producer, seen, used)) = self.kafka.get_mut(&sink.id) {
+            if *seen == fingerprint && producer.fatal().is_none() {
+                *used = now;
+                return Ok(producer.clone());
+            }
+        }
+        self.kafka.remove(&sink.id);
+        let producer = super::kafka::Producer::new(&config, allow).map_err(|why| {
+            // librdkafka may quote a value it refused: never a secret one.
+            properties
+                .iter()
+                .filter(|(k, v)| {
+                    pg_outbox_core::kafka::SECRET_PROPERTIES.contains(&k.as_str()) && !v.is_empty()
+                })
+                .fold(why, |why, (_, v)| why.replace(v.as_str(), "(hidden)"))
+        })?;
+        let producer = std::sync::Arc::new(producer);
+        self.kafka
+            .insert(sink.id.clone(), (producer.clone(), fingerprint, now));
+        Ok(producer)
+    }
+
+    /// Drops the agents and producers unused for a while (called every round, so that idle ones
+    /// go too).
     pub fn expire(&mut self) {
         let now = std::time::Instant::now();
-        self.0
+        self.http
             .retain(|_, (_, used)| now.duration_since(*used) < AGENT_IDLE);
+        self.kafka
+            .retain(|_, (_, _, used)| now.duration_since(*used) < AGENT_IDLE);
     }
 }
 
-fn request(sink: &Sink, window: &Window) -> Request {
-    Request {
-        url: sink.url.clone(),
-        headers: sink.headers.clone(),
-        secret: sink.secret.clone(),
-        key: http::batch_key(&sink.id, &window.ids),
-        body: window.body.clone().unwrap_or_default(),
+/// Sends `window` on a thread of its own: the POST of an HTTP sink, or a Kafka sink's messages.
+/// The destination is checked against the settings as they are now (they may have changed since
+/// the sink was created): one that is no longer allowed fails the pass, saying why.
+fn fly(sink: &Sink, window: &Window, agents: &mut Agents) -> Flying {
+    match &sink.transport {
+        Transport::Http {
+            url,
+            headers,
+            secret,
+        } => {
+            let allowed = url::Url::parse(url)
+                .map_err(|e| e.to_string())
+                .and_then(|u| {
+                    http::check_host(&u, &settings::http_allowed_hosts()).map_err(|e| e.message)
+                });
+            if let Err(why) = allowed {
+                return spawn_without_signals(move || Outcome::Transient {
+                    retry_after: None,
+                    reason: why,
+                });
+            }
+            let request = Request {
+                url: url.clone(),
+                headers: headers.clone(),
+                secret: secret.clone(),
+                key: http::batch_key(&sink.id, &window.ids),
+                body: window.body.clone().unwrap_or_default(),
+            };
+            let max_response = settings::HTTP_MAX_RESPONSE_BYTES.get().max(0) as u64;
+            spawn(agents.get(sink), request, max_response)
+        }
+        Transport::Kafka {
+            brokers, target, ..
+        } => {
+            let producer =
+                pg_outbox_core::kafka::parse_brokers(brokers, &settings::kafka_allowed_brokers())
+                    .map_err(|e| e.message)
+                    .and_then(|_| agents.producer(sink));
+            let producer = match producer {
+                Ok(producer) => producer,
+                Err(why) => {
+                    return spawn_without_signals(move || Outcome::Transient {
+                        retry_after: None,
+                        reason: why,
+                    })
+                }
+            };
+            let (target, body) = (target.clone(), window.body.clone().unwrap_or_default());
+            let timeout = Duration::from_millis(sink.timeout_ms.max(1) as u64);
+            spawn_without_signals(move || {
+                super::kafka::send_window(producer, &target, &body, timeout)
+            })
+        }
     }
 }
 
@@ -612,7 +788,7 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
                 release(sink.lease_key)?;
                 return Ok(Started::Done(PassResult::Idle));
             }
-            pgrx::warning!("pg_outbox: http sink \"{}\": {reason}", sink.id);
+            pgrx::warning!("pg_outbox: {}: {reason}", sink.label());
             let step = record(&sink, window, Outcome::Rejected { reason }, agents);
             return match step {
                 Ok(Step::Neighbour(next)) => Ok(Started::InFlight(next)),
@@ -636,18 +812,7 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
         saved?;
         return Ok(Started::Done(PassResult::Delivered { events: 0, full }));
     }
-    let max_response = settings::HTTP_MAX_RESPONSE_BYTES.get().max(0) as u64;
-    // The allowlist may have changed since the sink was created.
-    let allowed = url::Url::parse(&sink.url)
-        .map_err(|e| e.to_string())
-        .and_then(|u| http::check_host(&u, &settings::http_allowed_hosts()).map_err(|e| e.message));
-    let handle = match allowed {
-        Ok(()) => spawn(agents.get(&sink), request(&sink, &window), max_response),
-        Err(why) => spawn_without_signals(move || Outcome::Transient {
-            retry_after: None,
-            reason: why,
-        }),
-    };
+    let handle = fly(&sink, &window, agents);
     Ok(Started::InFlight(Box::new(InFlight {
         sink,
         purpose: Purpose::Window { window, replay },
@@ -707,8 +872,8 @@ fn record_replay(sink: &Sink, position: Position, outcome: Outcome) -> Result<Pa
         Outcome::Delivered => {
             run("DELETE FROM outbox.dead_letters WHERE sink = $1 AND txid = $2::pg_catalog.xid8 AND seq = $3", None)?;
             pgrx::log!(
-                "pg_outbox: http sink \"{}\" accepted replayed event {position}",
-                sink.id
+                "pg_outbox: {} accepted replayed event {position}",
+                sink.label()
             );
             Ok(PassResult::Delivered {
                 events: 1,
@@ -745,8 +910,8 @@ fn record_replay(sink: &Sink, position: Position, outcome: Outcome) -> Result<Pa
                 Some(&reason),
             )?;
             pgrx::warning!(
-                "pg_outbox: http sink \"{}\" failed on replayed event {position}, back to the dead letters: {reason}",
-                sink.id
+                "pg_outbox: {} failed on replayed event {position}, back to the dead letters: {reason}",
+                sink.label()
             );
             Ok(PassResult::Retry)
         }
@@ -821,8 +986,8 @@ fn failed(
         AfterFailure::Retry { state, delay } => {
             let delay = delay.max(wait.unwrap_or_default());
             pgrx::warning!(
-                "pg_outbox: http sink \"{}\" failed on event {last} (attempt {}), retrying in {delay:?}: {reason}",
-                sink.id,
+                "pg_outbox: {} failed on event {last} (attempt {}), retrying in {delay:?}: {reason}",
+                sink.label(),
                 state.attempts
             );
             record_failure(sink, state, Some(delay), false, &reason)?;
@@ -833,8 +998,8 @@ fn failed(
             // neither. The lone event goes first again when it does.
             Some(wait) => {
                 pgrx::warning!(
-                    "pg_outbox: http sink \"{}\" failed on event {last} (attempt {}), retrying in {wait:?} as the endpoint asked: {reason}",
-                    sink.id,
+                    "pg_outbox: {} failed on event {last} (attempt {}), retrying in {wait:?} as the endpoint asked: {reason}",
+                    sink.label(),
                     state.attempts
                 );
                 record_failure(sink, state, Some(wait), false, &reason)?;
@@ -856,8 +1021,8 @@ fn neighbour_test(
     agents: &mut Agents,
 ) -> Result<Step, Failure> {
     pgrx::warning!(
-        "pg_outbox: http sink \"{}\" failed on event {lone} (attempt {}), testing its neighbour: {reason}",
-        sink.id,
+        "pg_outbox: {} failed on event {lone} (attempt {}), testing its neighbour: {reason}",
+        sink.label(),
         state.attempts
     );
     // The neighbour: the first matching event within one batch after the lone one.
@@ -881,15 +1046,14 @@ fn neighbour_test(
                 return Ok(None);
             }
             let span = span.first().get_one::<i64>()?.unwrap_or(1) as u32;
-            read_window(c, &sink.id, lone, span).map(Some)
+            read_window(c, &sink.id, lone, span, sink.is_kafka()).map(Some)
         })
     })?
     .map_err(|e| failure(&e.to_string()))?;
     let Some(window) = window else {
         return after_neighbour(sink, state, lone, reason, None).map(Step::Done);
     };
-    let max_response = settings::HTTP_MAX_RESPONSE_BYTES.get().max(0) as u64;
-    let handle = spawn(agents.get(sink), request(sink, &window), max_response);
+    let handle = fly(sink, &window, agents);
     Ok(Step::Neighbour(Box::new(InFlight {
         sink: sink.clone(),
         purpose: Purpose::Neighbour {
@@ -940,8 +1104,8 @@ fn after_neighbour(
             })?
             .map_err(|e| failure(&e.to_string()))?;
             pgrx::warning!(
-                "pg_outbox: http sink \"{}\" dead-lettered event {lone} after {} attempts (its neighbour {neighbour} went through): {reason}",
-                sink.id,
+                "pg_outbox: {} dead-lettered event {lone} after {} attempts (its neighbour {neighbour} went through): {reason}",
+                sink.label(),
                 state.attempts
             );
             Ok(PassResult::Delivered {

@@ -11,6 +11,7 @@
 pub mod fanout;
 pub mod http;
 pub mod jobs;
+pub mod kafka;
 
 use crate::cursor;
 use crate::settings;
@@ -80,13 +81,15 @@ pub struct DueSinks {
 /// missing: the caller skips its step, so the worker never waits behind DDL, and DDL waits at
 /// most for the step in flight, never deadlocks with it.
 pub fn lock_tables() -> bool {
-    const TABLES: [&std::ffi::CStr; 9] = [
+    const TABLES: [&std::ffi::CStr; 11] = [
         c"events",
         c"events_seq",
         c"consumers",
         c"sinks",
         c"http_sinks",
+        c"kafka_sinks",
         c"dead_letters",
+        c"queues",
         c"jobs",
         c"subscriptions",
         c"schedules",
@@ -124,7 +127,7 @@ pub fn due_sinks(slot: usize) -> DueSinks {
         let rows = client.select(
             "SELECT id, next_attempt_at IS NULL OR next_attempt_at <= pg_catalog.now(), \
                     (extract(epoch FROM next_attempt_at - pg_catalog.now()) * 1000)::int8, \
-                    kind = 'http' \
+                    kind <> 'sql' \
                FROM outbox.sinks WHERE NOT paused ORDER BY id",
             None,
             &[],

@@ -3,9 +3,9 @@
 CREATE TABLE outbox.sinks (
     id                text        NOT NULL PRIMARY KEY
                                   REFERENCES outbox.consumers (name) ON DELETE CASCADE,
-    kind              text        NOT NULL DEFAULT 'sql' CHECK (kind IN ('sql', 'http')),
+    kind              text        NOT NULL DEFAULT 'sql' CHECK (kind IN ('sql', 'http', 'kafka')),
     -- SQL sinks: runs as the role that created the sink (outbox.consumers.owner), never as the
-    -- worker's. HTTP sinks: NULL, see outbox.http_sinks.
+    -- worker's. HTTP and Kafka sinks: NULL, see outbox.http_sinks and outbox.kafka_sinks.
     handler           regprocedure CHECK ((handler IS NOT NULL) = (kind = 'sql')),
     topics            text[],                     -- patterns; NULL: every topic
     topic_regex       text,                       -- the patterns compiled; NULL: every topic
@@ -41,6 +41,34 @@ CREATE TABLE outbox.http_sinks (
     secret     text,
     timeout_ms integer NOT NULL CHECK (timeout_ms BETWEEN 100 AND 600000)
 );
+
+-- Where a Kafka sink produces, and how (src/dispatch/kafka.rs). No role but the extension's owner
+-- can read it: properties may hold credentials (sasl.password, ssl.key.pem, ssl.key.password).
+-- outbox.status() shows none of it.
+CREATE TABLE outbox.kafka_sinks (
+    id          text    NOT NULL PRIMARY KEY REFERENCES outbox.sinks (id) ON DELETE CASCADE,
+    -- host:port[,host:port...], checked against pg_outbox.kafka_allowed_brokers at each pass.
+    brokers     text    NOT NULL,
+    -- A Kafka topic, or a template with {topic} (the event's topic) once.
+    kafka_topic text    NOT NULL,
+    -- The message key: the event's subject, its tenant, or none.
+    key         text    NOT NULL CHECK (key IN ('subject', 'tenant', 'none')),
+    -- librdkafka properties from pg_outbox_core::kafka's allowlist.
+    properties  jsonb   NOT NULL DEFAULT '{}' CHECK (pg_catalog.jsonb_typeof(properties) = 'object'),
+    -- A message not acknowledged within this long fails (message.timeout.ms).
+    timeout_ms  integer NOT NULL CHECK (timeout_ms BETWEEN 1000 AND 600000)
+);
+
+-- One event as a Kafka sink sends it (src/dispatch/kafka.rs makes the message): its attributes,
+-- its own headers, and its payload as text, the message's value, exactly as PostgreSQL prints it
+-- (no number rounded on the way).
+CREATE FUNCTION outbox._kafka_message(e outbox.event) RETURNS jsonb
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT jsonb_build_object('id', e.id, 'position', e.position, 'topic', e.topic, 'subject', e.subject,
+                              'tenant', e.tenant, 'headers', e.headers,
+                              'time', to_char(e.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+                              'value', e.payload::text)
+$$;
 
 -- One event as an HTTP sink sends it: a CloudEvents 1.0 JSON object. Optional attributes that
 -- are NULL are left out (CloudEvents' rule); position and tenant are extension attributes, and

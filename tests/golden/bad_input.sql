@@ -457,6 +457,50 @@ ROLLBACK;
 SELECT outbox.create_http_sink('h-no-host', 'https:///in');
 SELECT outbox.create_http_sink('h-no-host', 'https:/in');
 
+-- =========================================================================== create_kafka_sink
+-- NULLs
+SELECT outbox.create_kafka_sink(NULL, 'kafka.example.com:9092', 'events');
+SELECT outbox.create_kafka_sink('k2', NULL, 'events');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', NULL);
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', key => NULL);
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', timeout_ms => NULL);
+-- brokers: host:port lists, no internal address unless allowed, metadata never
+SELECT outbox.create_kafka_sink('k2', '', 'events');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com', 'events');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:0', 'events');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:99999', 'events');
+SELECT outbox.create_kafka_sink('k2', 'a:1,,b:2', 'events');
+SELECT outbox.create_kafka_sink('k2', 'kafka example:9092', 'events');
+SELECT outbox.create_kafka_sink('k2', 'x''; DROP TABLE outbox.sinks; --:9092', 'events');
+SELECT outbox.create_kafka_sink('k2', '127.0.0.1:9092', 'events');
+SELECT outbox.create_kafka_sink('k2', '10.1.2.3:9092', 'events');
+SELECT outbox.create_kafka_sink('k2', '169.254.169.254:9092', 'events');
+SELECT outbox.create_kafka_sink('k2', '[::1]:9092', 'events');
+SELECT outbox.create_kafka_sink('k2', '[fe80::1]:9092', 'events');
+-- kafka_topic: a Kafka topic name, or a template with {topic} once
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', '');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'a b');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', '..');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', '{topic}.{topic}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', repeat('t', 250));
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'x''; DROP TABLE outbox.sinks; --');
+-- key, timeout_ms, properties (an allowlist)
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', key => 'payload');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', timeout_ms => 999);
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', timeout_ms => 600001);
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '[]');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"plugin.library.paths": "/tmp/x.so"}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"ssl.ca.location": "/etc/ssl/certs"}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"acks": "1"}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"compression.type": "zstd"}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"linger.ms": null}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"sasl.password": {"a": 1}}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', batch_size => 0);
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', topics => '{"a b"}');
+SELECT outbox.create_kafka_sink('bad name', 'kafka.example.com:9092', 'events');
+-- the name of an existing sink
+SELECT pg_temp.refused($$SELECT outbox.create_kafka_sink('h1', 'kafka.example.com:9092', 'events')$$);
+
 -- ============================================================== pause_sink, resume_sink, drop_sink
 SELECT outbox.pause_sink(NULL);
 SELECT outbox.pause_sink('');

@@ -9,6 +9,7 @@
 //! Nothing here sleeps a fixed time to wait for the server: `eventually` polls with a deadline.
 
 pub mod http_server;
+pub mod kafka;
 
 use postgres::{Client, NoTls};
 use std::path::{Path, PathBuf};

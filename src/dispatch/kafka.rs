@@ -1,0 +1,573 @@
+//! Kafka sinks: the producer (librdkafka, through rdkafka-sys) and how one window of events
+//! becomes Kafka messages and an `Outcome` for the failure policy that every remote sink shares
+//! (`dispatch::http`: lease, halving, the neighbour test, dead letters, replay).
+//!
+//! Threads and safety. A window is sent on a thread of its own (with every signal blocked, as
+//! HTTP requests are): it produces the messages and polls the producer until every message is
+//! acknowledged or fails, and never touches PostgreSQL. librdkafka's own threads are created
+//! with every signal blocked too, so the worker's signal handlers only ever run on its thread.
+//! Every connection the producer opens, to a bootstrap broker or to a broker the cluster's
+//! metadata names, goes through `on_connect`, which refuses the addresses Kafka sinks may not
+//! reach (`pg_outbox_core::kafka::check_address`) before any byte is sent.
+//!
+//! Messages follow the CloudEvents Kafka protocol binding in binary mode: the value is the
+//! event's payload (its JSON text as PostgreSQL prints it), the attributes are `ce_*` headers
+//! (`ce_specversion`, `ce_id`, `ce_source`, `ce_type` = the topic, `ce_time`, `ce_subject`, and the
+//! extensions `ce_position`, `ce_tenant`, `ce_traceparent`, `ce_tracestate`), `content-type` is
+//! `application/json`, and the event's own headers go along under their names. The key is the
+//! event's subject (or tenant, or none): one key's messages land in one partition, in order.
+
+use pg_outbox_core::http::Outcome;
+use pg_outbox_core::kafka::{self as rules, Key, TopicTemplate};
+use rdkafka_sys::bindings as rd;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What the callbacks share with the threads that produce and poll.
+struct Context {
+    allow: rules::Allow,
+    /// Delivery reports not yet taken: (message opaque, error).
+    reports: Mutex<Vec<(usize, rd::rd_kafka_resp_err_t)>>,
+    /// The last connection `on_connect` refused, and why.
+    refused: Mutex<Option<String>>,
+}
+
+/// A librdkafka producer, shared by the worker (which keeps it between windows) and the thread
+/// sending a window. Thread-safe, as librdkafka's handles are.
+pub struct Producer {
+    rk: *mut rd::rd_kafka_t,
+    context: *const Context,
+    /// Windows sent so far: a window's messages carry its number, so that late reports of an
+    /// earlier window that timed out are not taken for this one's.
+    windows: AtomicU32,
+}
+
+// SAFETY: rd_kafka_t is thread-safe (librdkafka's documented contract for producers), and the
+// context is only reached through its Mutexes.
+unsafe impl Send for Producer {}
+// SAFETY: as above.
+unsafe impl Sync for Producer {}
+
+fn err_text(err: rd::rd_kafka_resp_err_t) -> String {
+    // SAFETY: rd_kafka_err2str returns a static string for every code.
+    unsafe { CStr::from_ptr(rd::rd_kafka_err2str(err)) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Delivery report callback: runs on the thread that polls (a window's thread).
+unsafe extern "C" fn on_delivery(
+    _rk: *mut rd::rd_kafka_t,
+    message: *const rd::rd_kafka_message_t,
+    opaque: *mut c_void,
+) {
+    // SAFETY: opaque is the Context the producer was created with, alive while it is; message is
+    // valid for the callback's duration.
+    let (context, message) = unsafe { (&*(opaque as *const Context), &*message) };
+    if let Ok(mut reports) = context.reports.lock() {
+        reports.push((message._private as usize, message.err));
+    }
+}
+
+/// Connect callback: runs on librdkafka's broker threads, for every connection it opens. Refuses
+/// the addresses Kafka sinks may not reach; connects the others as librdkafka would.
+unsafe extern "C" fn on_connect(
+    socket: c_int,
+    address: *const libc::sockaddr,
+    length: c_int,
+    _id: *const c_char,
+    opaque: *mut c_void,
+) -> c_int {
+    // SAFETY: opaque is the Context; address points to `length` bytes of a socket address.
+    let context = unsafe { &*(opaque as *const Context) };
+    let ip = unsafe { socket_ip(address, length) };
+    let verdict = match ip {
+        Some(ip) => rules::check_address(ip, context.allow).map_err(|e| e.message),
+        None => Err("a broker address that is neither IPv4 nor IPv6".to_string()),
+    };
+    if let Err(why) = verdict {
+        if let Ok(mut refused) = context.refused.lock() {
+            *refused = Some(why);
+        }
+        return libc::ECONNREFUSED;
+    }
+    // SAFETY: the socket and address librdkafka gave us; a non-blocking connect, as its own.
+    let r = unsafe { libc::connect(socket, address, length as libc::socklen_t) };
+    if r == -1 {
+        let errno = std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO);
+        if errno != libc::EINPROGRESS {
+            return errno;
+        }
+    }
+    0
+}
+
+/// The IP address of a socket address, if it is one.
+///
+/// # Safety
+/// `address` points to `length` readable bytes.
+unsafe fn socket_ip(address: *const libc::sockaddr, length: c_int) -> Option<std::net::IpAddr> {
+    if address.is_null() {
+        return None;
+    }
+    // SAFETY: the family field is at the start of every socket address.
+    match unsafe { (*address).sa_family } as c_int {
+        libc::AF_INET if length as usize >= std::mem::size_of::<libc::sockaddr_in>() => {
+            // SAFETY: an AF_INET address of sockaddr_in's size.
+            let a = unsafe { &*(address as *const libc::sockaddr_in) };
+            Some(std::net::IpAddr::V4(std::net::Ipv4Addr::from(
+                u32::from_be(a.sin_addr.s_addr),
+            )))
+        }
+        libc::AF_INET6 if length as usize >= std::mem::size_of::<libc::sockaddr_in6>() => {
+            // SAFETY: an AF_INET6 address of sockaddr_in6's size.
+            let a = unsafe { &*(address as *const libc::sockaddr_in6) };
+            let v6 = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
+            // An IPv4-mapped address is judged as the IPv4 address it is.
+            Some(match v6.to_ipv4_mapped() {
+                Some(v4) => std::net::IpAddr::V4(v4),
+                None => std::net::IpAddr::V6(v6),
+            })
+        }
+        _ => None,
+    }
+}
+
+impl Producer {
+    /// A producer for `properties` (the sink's, checked by `rules::check_properties`, and the
+    /// worker's own), connecting only where `allow` lets it.
+    pub fn new(properties: &[(String, String)], allow: rules::Allow) -> Result<Producer, String> {
+        let context = Box::into_raw(Box::new(Context {
+            allow,
+            reports: Mutex::new(Vec::new()),
+            refused: Mutex::new(None),
+        }));
+        // SAFETY: a configuration object built and handed to rd_kafka_new, which owns it on
+        // success; destroyed here on failure. The context outlives the producer (freed in Drop,
+        // after rd_kafka_destroy).
+        unsafe {
+            let conf = rd::rd_kafka_conf_new();
+            let mut error = [0 as c_char; 512];
+            for (key, value) in properties {
+                let (Ok(k), Ok(v)) = (CString::new(key.as_str()), CString::new(value.as_str()))
+                else {
+                    rd::rd_kafka_conf_destroy(conf);
+                    drop(Box::from_raw(context));
+                    return Err(format!("property \"{key}\" holds a NUL character"));
+                };
+                let r = rd::rd_kafka_conf_set(
+                    conf,
+                    k.as_ptr(),
+                    v.as_ptr(),
+                    error.as_mut_ptr(),
+                    error.len(),
+                );
+                if r != rd::rd_kafka_conf_res_t::RD_KAFKA_CONF_OK {
+                    rd::rd_kafka_conf_destroy(conf);
+                    drop(Box::from_raw(context));
+                    // librdkafka's message names the property, never its value.
+                    return Err(CStr::from_ptr(error.as_ptr())
+                        .to_string_lossy()
+                        .into_owned());
+                }
+            }
+            rd::rd_kafka_conf_set_opaque(conf, context as *mut c_void);
+            rd::rd_kafka_conf_set_dr_msg_cb(conf, Some(on_delivery));
+            rd::rd_kafka_conf_set_connect_cb(conf, Some(on_connect));
+            // librdkafka's threads inherit this mask: none of them may run the worker's
+            // signal handlers.
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            let mut previous: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut previous);
+            let rk = rd::rd_kafka_new(
+                rd::rd_kafka_type_t::RD_KAFKA_PRODUCER,
+                conf,
+                error.as_mut_ptr(),
+                error.len(),
+            );
+            libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
+            if rk.is_null() {
+                rd::rd_kafka_conf_destroy(conf);
+                drop(Box::from_raw(context));
+                return Err(CStr::from_ptr(error.as_ptr())
+                    .to_string_lossy()
+                    .into_owned());
+            }
+            Ok(Producer {
+                rk,
+                context,
+                windows: AtomicU32::new(0),
+            })
+        }
+    }
+
+    fn context(&self) -> &Context {
+        // SAFETY: freed only in Drop.
+        unsafe { &*self.context }
+    }
+
+    /// The fatal error of an idempotent producer (a gap it cannot close): it must be replaced.
+    pub fn fatal(&self) -> Option<String> {
+        let mut text = [0 as c_char; 512];
+        // SAFETY: a valid handle and buffer.
+        let err = unsafe { rd::rd_kafka_fatal_error(self.rk, text.as_mut_ptr(), text.len()) };
+        (err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR).then(|| {
+            // SAFETY: librdkafka wrote a NUL-terminated string.
+            unsafe { CStr::from_ptr(text.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
+        })
+    }
+
+    /// Sends `messages` and waits until every one is acknowledged or failed, or until
+    /// `timeout`. On a thread of the window's own.
+    pub fn send(&self, messages: &[Message], timeout: Duration) -> Outcome {
+        let window = self.windows.fetch_add(1, Ordering::Relaxed).wrapping_add(1) as usize;
+        let tag = |i: usize| (window << 32) | i;
+        self.context().reports.lock().map(|mut r| r.clear()).ok();
+        let deadline = Instant::now() + timeout;
+        for (i, m) in messages.iter().enumerate() {
+            loop {
+                match self.produce(m, tag(i)) {
+                    Ok(()) => break,
+                    // The producer's queue is full: let it drain.
+                    Err(rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR__QUEUE_FULL)
+                        if Instant::now() < deadline =>
+                    {
+                        // SAFETY: a valid handle.
+                        unsafe { rd::rd_kafka_poll(self.rk, 10) };
+                    }
+                    Err(err) => return self.outcome_of(m, err),
+                }
+            }
+        }
+        let mut done = vec![false; messages.len()];
+        let mut left = messages.len();
+        let mut failed: Option<(usize, rd::rd_kafka_resp_err_t)> = None;
+        while left > 0 {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                return Outcome::Transient {
+                    retry_after: None,
+                    reason: self.with_refusal(format!(
+                        "{left} of {} messages not acknowledged within {} ms",
+                        messages.len(),
+                        timeout.as_millis()
+                    )),
+                };
+            }
+            // SAFETY: a valid handle; delivery callbacks run here, on this thread.
+            unsafe { rd::rd_kafka_poll(self.rk, wait.as_millis().clamp(1, 100) as c_int) };
+            let reports = std::mem::take(&mut *self.context().reports.lock().expect("reports"));
+            for (opaque, err) in reports {
+                let (w, i) = (opaque >> 32, opaque & 0xffff_ffff);
+                if w != window || i >= done.len() || done[i] {
+                    continue;
+                }
+                done[i] = true;
+                left -= 1;
+                if err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR {
+                    // The first refusal for good decides; else the first failure.
+                    let worse = match failed {
+                        None => true,
+                        Some((_, e)) => !permanent(e) && permanent(err),
+                    };
+                    if worse {
+                        failed = Some((i, err));
+                    }
+                }
+            }
+        }
+        match failed {
+            None => Outcome::Delivered,
+            Some((i, err)) => self.outcome_of(&messages[i], err),
+        }
+    }
+
+    fn produce(&self, m: &Message, opaque: usize) -> Result<(), rd::rd_kafka_resp_err_t> {
+        use rd::rd_kafka_vtype_t as T;
+        let vu = |vtype: T, u: rd::rd_kafka_vu_s__bindgen_ty_1| rd::rd_kafka_vu_t { vtype, u };
+        let mut vus = Vec::with_capacity(6 + m.headers.len());
+        vus.push(vu(
+            T::RD_KAFKA_VTYPE_TOPIC,
+            rd::rd_kafka_vu_s__bindgen_ty_1 {
+                cstr: m.topic.as_ptr(),
+            },
+        ));
+        vus.push(vu(
+            T::RD_KAFKA_VTYPE_MSGFLAGS,
+            rd::rd_kafka_vu_s__bindgen_ty_1 {
+                i: rd::RD_KAFKA_MSG_F_COPY as c_int,
+            },
+        ));
+        vus.push(vu(
+            T::RD_KAFKA_VTYPE_VALUE,
+            rd::rd_kafka_vu_s__bindgen_ty_1 {
+                mem: rd::rd_kafka_vu_s__bindgen_ty_1__bindgen_ty_1 {
+                    ptr: m.value.as_ptr() as *mut c_void,
+                    size: m.value.len(),
+                },
+            },
+        ));
+        if let Some(key) = &m.key {
+            vus.push(vu(
+                T::RD_KAFKA_VTYPE_KEY,
+                rd::rd_kafka_vu_s__bindgen_ty_1 {
+                    mem: rd::rd_kafka_vu_s__bindgen_ty_1__bindgen_ty_1 {
+                        ptr: key.as_ptr() as *mut c_void,
+                        size: key.len(),
+                    },
+                },
+            ));
+        }
+        vus.push(vu(
+            T::RD_KAFKA_VTYPE_OPAQUE,
+            rd::rd_kafka_vu_s__bindgen_ty_1 {
+                ptr: opaque as *mut c_void,
+            },
+        ));
+        for (name, value) in &m.headers {
+            vus.push(vu(
+                T::RD_KAFKA_VTYPE_HEADER,
+                rd::rd_kafka_vu_s__bindgen_ty_1 {
+                    header: rd::rd_kafka_vu_s__bindgen_ty_1__bindgen_ty_2 {
+                        name: name.as_ptr(),
+                        val: value.as_ptr() as *const c_void,
+                        size: value.len() as isize,
+                    },
+                },
+            ));
+        }
+        // SAFETY: every pointer in `vus` points into `m`, alive for the call; librdkafka copies
+        // the value, key and headers (RD_KAFKA_MSG_F_COPY).
+        unsafe {
+            let error = rd::rd_kafka_produceva(self.rk, vus.as_ptr(), vus.len());
+            if error.is_null() {
+                Ok(())
+            } else {
+                let code = rd::rd_kafka_error_code(error);
+                rd::rd_kafka_error_destroy(error);
+                Err(code)
+            }
+        }
+    }
+
+    /// The failure policy's reading of `err` for message `m`: refused for good (a message the
+    /// broker will never take: too large, a topic that refuses it or does not exist, no right to
+    /// write it) or transient (everything else: an outage, a timeout, a leader election).
+    fn outcome_of(&self, m: &Message, err: rd::rd_kafka_resp_err_t) -> Outcome {
+        let reason = format!(
+            "event {} to Kafka topic \"{}\": {}",
+            m.id,
+            m.topic.to_string_lossy(),
+            err_text(err)
+        );
+        if permanent(err) {
+            Outcome::Rejected { reason }
+        } else {
+            Outcome::Transient {
+                retry_after: None,
+                reason: self.with_refusal(reason),
+            }
+        }
+    }
+
+    /// `reason`, with why `on_connect` refused a broker, if it did.
+    fn with_refusal(&self, reason: String) -> String {
+        match self.context().refused.lock().ok().and_then(|r| r.clone()) {
+            Some(why) => format!("{reason} ({why})"),
+            None => reason,
+        }
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        // SAFETY: the handle is destroyed once, nothing uses it after; the context after it.
+        unsafe {
+            rd::rd_kafka_purge(
+                self.rk,
+                (rd::RD_KAFKA_PURGE_F_QUEUE | rd::RD_KAFKA_PURGE_F_INFLIGHT) as c_int,
+            );
+            rd::rd_kafka_destroy(self.rk);
+            drop(Box::from_raw(self.context as *mut Context));
+        }
+    }
+}
+
+/// Errors that are about the message, not the brokers: no retry can make them pass.
+fn permanent(err: rd::rd_kafka_resp_err_t) -> bool {
+    use rd::rd_kafka_resp_err_t as E;
+    matches!(
+        err,
+        E::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE
+            | E::RD_KAFKA_RESP_ERR_RECORD_LIST_TOO_LARGE
+            | E::RD_KAFKA_RESP_ERR_INVALID_RECORD
+            | E::RD_KAFKA_RESP_ERR_INVALID_MSG
+            | E::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED
+            | E::RD_KAFKA_RESP_ERR_TOPIC_EXCEPTION
+            | E::RD_KAFKA_RESP_ERR_POLICY_VIOLATION
+            | E::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART
+            | E::RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC
+            | E::RD_KAFKA_RESP_ERR__INVALID_ARG
+    )
+}
+
+/// One message, ready for the wire.
+pub struct Message {
+    id: String,
+    topic: CString,
+    key: Option<Vec<u8>>,
+    value: Vec<u8>,
+    headers: Vec<(CString, Vec<u8>)>,
+}
+
+/// Where and how a sink's events go.
+#[derive(Clone)]
+pub struct Target {
+    pub template: TopicTemplate,
+    pub key: Key,
+    /// `ce_source`: `/pg_outbox/<database>`.
+    pub source: String,
+}
+
+/// The messages of a window, from the JSON array `outbox._kafka_message` rows make; or why an
+/// event cannot become one (a Kafka topic name its template cannot make): a refusal for good.
+pub fn messages(target: &Target, window: &str) -> Result<Vec<Message>, String> {
+    let events: Vec<serde_json::Map<String, serde_json::Value>> =
+        serde_json::from_str(window).map_err(|e| format!("reading the window: {e}"))?;
+    let text = |e: &serde_json::Map<String, serde_json::Value>, k: &str| {
+        e.get(k).and_then(|v| v.as_str()).map(str::to_string)
+    };
+    let cstring = |s: String| CString::new(s.replace('\0', "")).expect("no NUL left");
+    events
+        .iter()
+        .map(|e| {
+            let id = text(e, "id").unwrap_or_default();
+            let topic = text(e, "topic").unwrap_or_default();
+            let kafka_topic = target
+                .template
+                .render(&topic)
+                .map_err(|why| format!("event {id}: {why}"))?;
+            let subject = text(e, "subject");
+            let tenant = text(e, "tenant");
+            let key = match target.key {
+                Key::Subject => subject.clone(),
+                Key::Tenant => tenant.clone(),
+                Key::None => None,
+            };
+            let mut headers: Vec<(String, String)> = vec![
+                ("ce_specversion".into(), "1.0".into()),
+                ("ce_id".into(), id.clone()),
+                ("ce_source".into(), target.source.clone()),
+                ("ce_type".into(), topic.clone()),
+                ("ce_time".into(), text(e, "time").unwrap_or_default()),
+                (
+                    "ce_position".into(),
+                    text(e, "position").unwrap_or_default(),
+                ),
+                ("content-type".into(), "application/json".into()),
+            ];
+            if let Some(s) = subject {
+                headers.push(("ce_subject".into(), s));
+            }
+            if let Some(t) = tenant {
+                headers.push(("ce_tenant".into(), t));
+            }
+            if let Some(serde_json::Value::Object(own)) = e.get("headers") {
+                for name in ["traceparent", "tracestate"] {
+                    if let Some(serde_json::Value::String(v)) = own.get(name) {
+                        headers.push((format!("ce_{name}"), v.clone()));
+                    }
+                }
+                // The event's own headers, under their names; none may pose as an attribute.
+                for (name, value) in own {
+                    if name.starts_with("ce_") || name.eq_ignore_ascii_case("content-type") {
+                        continue;
+                    }
+                    let value = match value {
+                        serde_json::Value::String(s) => s.clone(),
+                        other => other.to_string(),
+                    };
+                    headers.push((name.clone(), value));
+                }
+            }
+            Ok(Message {
+                id,
+                topic: cstring(kafka_topic),
+                key: key.map(String::into_bytes),
+                value: text(e, "value").unwrap_or_default().into_bytes(),
+                headers: headers
+                    .into_iter()
+                    .map(|(k, v)| (cstring(k), v.into_bytes()))
+                    .collect(),
+            })
+        })
+        .collect()
+}
+
+/// Sends a window: what a window's thread runs.
+pub fn send_window(
+    producer: Arc<Producer>,
+    target: &Target,
+    window: &str,
+    timeout: Duration,
+) -> Outcome {
+    match messages(target, window) {
+        Ok(messages) => producer.send(&messages, timeout + Duration::from_secs(2)),
+        Err(reason) => Outcome::Rejected { reason },
+    }
+}
+
+/// The database's name as `ce_source` carries it (`/pg_outbox/<name>`), as HTTP sinks do: any
+/// character outside `A-Za-z0-9._~-` becomes `_`.
+pub fn source_name(database: &str) -> String {
+    database
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._~-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The producer's whole configuration: the worker's defaults, then the sink's properties, then
+/// what the worker insists on (`FIXED_PROPERTIES`: an idempotent producer, acks=all, no gaps).
+pub fn producer_properties(
+    brokers: &str,
+    sink: &[(String, String)],
+    timeout_ms: i32,
+) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = vec![
+        ("bootstrap.servers".into(), brokers.into()),
+        // A key lands in the partition a Java producer would put it in.
+        ("partitioner".into(), "murmur2_random".into()),
+        // What the producer may hold in memory.
+        ("queue.buffering.max.kbytes".into(), "65536".into()),
+        ("queue.buffering.max.messages".into(), "100000".into()),
+        ("client.id".into(), "pg_outbox".into()),
+    ];
+    for (k, v) in sink {
+        out.retain(|(key, _)| key != k);
+        out.push((k.clone(), v.clone()));
+    }
+    // A message not acknowledged within the sink's timeout fails; the window's thread waits a
+    // little longer, so that it hears why.
+    out.push((
+        "message.timeout.ms".into(),
+        timeout_ms.max(1000).to_string(),
+    ));
+    for (k, v) in rules::FIXED_PROPERTIES {
+        out.retain(|(key, _)| key != k);
+        out.push((k.to_string(), v.to_string()));
+    }
+    out
+}

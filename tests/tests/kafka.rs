@@ -1,0 +1,323 @@
+//! Kafka sinks against a real Apache Kafka 4 broker (KRaft, one node on 127.0.0.1, started by
+//! scripts/kafka.sh): every committed event arrives, once by `ce_id`, in order per key, from
+//! writers committing out of order with rollbacks; a message the broker refuses for itself is
+//! dead-lettered after the neighbour test while its neighbours arrive; a broker killed mid-stream
+//! loses nothing; internal addresses are refused and secrets stay out of sight.
+
+use pg_outbox_tests::kafka::{Broker, Record};
+use pg_outbox_tests::{eventually, position, sqlstate, worker_db};
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+/// The records with the first of each `ce_id` only (a redelivery after a failure repeats some).
+fn first_of_each(records: &[Record]) -> Vec<Record> {
+    let mut seen = HashSet::new();
+    let mut by_partition: BTreeMap<i32, Vec<&Record>> = BTreeMap::new();
+    for r in records {
+        by_partition.entry(r.partition).or_default().push(r);
+    }
+    let mut out = Vec::new();
+    for (_, mut rs) in by_partition {
+        rs.sort_by_key(|r| r.offset);
+        for r in rs {
+            if seen.insert(r.header("ce_id").unwrap_or_default().to_string()) {
+                out.push(r.clone());
+            }
+        }
+    }
+    out
+}
+
+/// Checks that each key's events arrive in the order of their positions (within a partition,
+/// where one key's messages all are).
+fn in_order_per_key(records: &[Record]) {
+    let mut last: BTreeMap<String, (u64, i64)> = BTreeMap::new();
+    let mut by_partition: BTreeMap<i32, Vec<&Record>> = BTreeMap::new();
+    for r in records {
+        by_partition.entry(r.partition).or_default().push(r);
+    }
+    for (_, mut rs) in by_partition {
+        rs.sort_by_key(|r| r.offset);
+        for r in rs {
+            let key = r.key.clone().unwrap_or_default();
+            let at = position(r.header("ce_position").expect("ce_position"));
+            if let Some(before) = last.insert(key.clone(), at) {
+                assert!(before < at, "key {key}: {before:?} then {at:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_kafka_sink_delivers_every_committed_event_once_in_order_per_key() {
+    let db = worker_db("kafka_order");
+    db.cluster().set("pg_outbox.kafka_allow_private", "on");
+    let broker = Broker::start("order");
+    broker.topic("orders", 3, &[]);
+    let mut c = db.connect();
+    c.batch_execute(&format!(
+        "SELECT outbox.create_kafka_sink('to-kafka', '{}', 'orders', topics => '{{order.*}}', batch_size => 50)",
+        broker.address()
+    ))
+    .unwrap();
+    // Eight writers, each committing and rolling back transactions of one to three events on
+    // five keys shared between them: commits land out of order.
+    let writers: Vec<_> = (0..8)
+        .map(|w| {
+            let mut c = db.connect();
+            std::thread::spawn(move || {
+                let mut committed = Vec::new();
+                for i in 0..40 {
+                    let mut tx = c.transaction().unwrap();
+                    let mut ids = Vec::new();
+                    for j in 0..(1 + (w + i) % 3) {
+                        let id: String = tx
+                            .query_one(
+                                "SELECT outbox.raise('order.placed', jsonb_build_object('w', $1::int, 'i', $2::int, 'j', $3::int, 'big', 12345678901234567890123), subject => $4)::text",
+                                &[&w, &i, &j, &format!("key-{}", (w + j) % 5)],
+                            )
+                            .unwrap()
+                            .get(0);
+                        ids.push(id);
+                    }
+                    if i % 4 == 3 {
+                        tx.rollback().unwrap();
+                    } else {
+                        tx.commit().unwrap();
+                        committed.extend(ids);
+                    }
+                }
+                committed
+            })
+        })
+        .collect();
+    let committed: HashSet<String> = writers
+        .into_iter()
+        .flat_map(|w| w.join().unwrap())
+        .collect();
+    // An event of another topic is not for this sink.
+    c.batch_execute("SELECT outbox.raise('invoice.sent', '{}')")
+        .unwrap();
+    let records = broker.consume("orders", committed.len(), Duration::from_secs(60));
+    let firsts = first_of_each(&records);
+    let got: HashSet<String> = firsts
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_string())
+        .collect();
+    assert_eq!(got.len(), committed.len(), "{} records", records.len());
+    assert_eq!(got, committed, "every committed event, and nothing else");
+    in_order_per_key(&firsts);
+    // CloudEvents binary mode: the payload is the value, the attributes are headers.
+    let r = &firsts[0];
+    assert_eq!(r.header("ce_specversion"), Some("1.0"));
+    assert_eq!(r.header("ce_type"), Some("order.placed"));
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    assert_eq!(
+        r.header("ce_source"),
+        Some(format!("/pg_outbox/{}", db.name).as_str())
+    );
+    assert_eq!(r.header("ce_subject"), r.key.as_deref());
+    assert!(r.header("ce_time").is_some_and(|t| t.ends_with('Z')));
+    let value: serde_json::Value = serde_json::from_str(&r.value).unwrap();
+    assert!(value.get("w").is_some());
+    assert!(
+        r.value.contains("12345678901234567890123"),
+        "numbers pass unrounded: {}",
+        r.value
+    );
+    // The cursor moved past everything, and the sink says so.
+    eventually("the sink to be caught up", Duration::from_secs(10), || {
+        let state: String = c
+            .query_one(
+                "SELECT state FROM outbox.status() WHERE name = 'to-kafka'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        (state == "idle").then_some(())
+    });
+}
+
+#[test]
+fn a_message_the_broker_refuses_is_dead_lettered_after_the_neighbour_test() {
+    let db = worker_db("kafka_poison");
+    db.cluster().set("pg_outbox.kafka_allow_private", "on");
+    let broker = Broker::start("poison");
+    broker.topic("small", 1, &["max.message.bytes=1000"]);
+    let mut c = db.connect();
+    c.batch_execute(&format!(
+        "SELECT outbox.create_kafka_sink('small', '{}', 'small', timeout_ms => 5000);
+         SELECT outbox.raise('t', jsonb_build_object('n', n, 'pad', CASE WHEN n = 5 THEN repeat('x', 3000) ELSE '' END), subject => 'k')
+           FROM generate_series(1, 10) n;",
+        broker.address()
+    ))
+    .unwrap();
+    let dead: String = eventually(
+        "the big event dead-lettered",
+        Duration::from_secs(90),
+        || {
+            c.query_opt(
+            "SELECT (event).payload->>'n' || ': ' || error FROM outbox.dead_letters WHERE sink = 'small'",
+            &[],
+        )
+        .unwrap()
+        .map(|r| r.get(0))
+        },
+    );
+    assert!(dead.starts_with("5: "), "{dead}");
+    assert!(dead.to_lowercase().contains("too large"), "{dead}");
+    let records = broker.consume("small", 9, Duration::from_secs(30));
+    let ns: Vec<i64> = first_of_each(&records)
+        .iter()
+        .map(|r| {
+            serde_json::from_str::<serde_json::Value>(&r.value).unwrap()["n"]
+                .as_i64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        ns,
+        [1, 2, 3, 4, 6, 7, 8, 9, 10],
+        "its neighbours arrive, in order"
+    );
+    // A replay tries it again: still too large, so it goes back to the dead letters.
+    c.batch_execute("SELECT outbox.replay('small')").unwrap();
+    eventually("the replay to fail back", Duration::from_secs(30), || {
+        let attempts: i32 = c
+            .query_one(
+                "SELECT attempts FROM outbox.dead_letters WHERE sink = 'small' AND replay_requested_at IS NULL",
+                &[],
+            )
+            .ok()?
+            .get(0);
+        (attempts > 1).then_some(())
+    });
+}
+
+#[test]
+fn a_broker_killed_mid_stream_loses_nothing() {
+    let db = worker_db("kafka_crash");
+    db.cluster().set("pg_outbox.kafka_allow_private", "on");
+    let broker = Broker::start("crash");
+    broker.topic("stream", 3, &[]);
+    let mut c = db.connect();
+    c.batch_execute(&format!(
+        "SELECT outbox.create_kafka_sink('stream', '{}', 'stream', timeout_ms => 3000)",
+        broker.address()
+    ))
+    .unwrap();
+    let raise = |c: &mut pg_outbox_tests::postgres::Client, from: i32, to: i32| {
+        c.query(
+            "SELECT outbox.raise('s', jsonb_build_object('n', n), subject => 'k' || (n % 7))::text
+               FROM generate_series($1::int, $2::int) n",
+            &[&from, &to],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect::<Vec<_>>()
+    };
+    let mut ids = raise(&mut c, 1, 300);
+    std::thread::sleep(Duration::from_millis(300));
+    broker.kill();
+    ids.extend(raise(&mut c, 301, 600));
+    // The sink fails while the broker is down, and dead-letters nothing.
+    eventually("the sink to notice", Duration::from_secs(30), || {
+        let e: Option<String> = c
+            .query_one(
+                "SELECT last_error FROM outbox.status() WHERE name = 'stream'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        e
+    });
+    broker.restart();
+    ids.extend(raise(&mut c, 601, 700));
+    let records = broker.consume("stream", ids.len(), Duration::from_secs(90));
+    let firsts = first_of_each(&records);
+    let got: HashSet<String> = firsts
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_string())
+        .collect();
+    assert_eq!(got, ids.iter().cloned().collect::<HashSet<_>>());
+    in_order_per_key(&firsts);
+    let dead: i64 = c
+        .query_one("SELECT count(*) FROM outbox.dead_letters", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(dead, 0, "an outage dead-letters nothing");
+}
+
+#[test]
+fn kafka_sinks_refuse_internal_addresses_and_keep_their_secrets() {
+    let db = worker_db("kafka_safety");
+    let broker = Broker::start("safety");
+    broker.topic("safe", 1, &[]);
+    let mut c = db.connect();
+    let role = format!("kafka_tenant_{}", db.name);
+    c.batch_execute(&format!(
+        "CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA outbox TO {role};
+         GRANT EXECUTE ON FUNCTION outbox.raise(text, jsonb, text, text, jsonb), outbox.status(),
+                                   outbox.create_kafka_sink(text, text, text, text[], text, integer, jsonb, integer, text)
+            TO {role};"
+    ))
+    .unwrap();
+    let mut t = db.connect_as(&role);
+    let address = broker.address();
+    db.cluster().set("pg_outbox.kafka_allow_private", "off");
+    for (sql, code) in [
+        // Internal addresses, unless a superuser allows them; metadata never.
+        (format!("SELECT outbox.create_kafka_sink('k', '{address}', 'safe')"), "22023"),
+        ("SELECT outbox.create_kafka_sink('k', '169.254.169.254:9092', 'safe')".into(), "22023"),
+        ("SELECT outbox.create_kafka_sink('k', '[::1]:9092', 'safe')".into(), "22023"),
+        // Properties are an allowlist: nothing that reads a file or loads a library.
+        ("SELECT outbox.create_kafka_sink('k', 'kafka.example.com:9092', 'safe', properties => '{\"plugin.library.paths\": \"/tmp/evil.so\"}')".into(), "22023"),
+        ("SELECT outbox.create_kafka_sink('k', 'kafka.example.com:9092', 'safe', properties => '{\"ssl.key.location\": \"/etc/ssl/private/server.key\"}')".into(), "22023"),
+        ("SELECT outbox.create_kafka_sink('k', 'kafka.example.com:9092', 'safe', properties => '{\"acks\": \"0\"}')".into(), "22023"),
+        // Bad input.
+        ("SELECT outbox.create_kafka_sink('k', 'kafka.example.com', 'safe')".into(), "22023"),
+        ("SELECT outbox.create_kafka_sink('k', 'kafka.example.com:9092', 'bad topic')".into(), "22023"),
+        ("SELECT outbox.create_kafka_sink('k', 'kafka.example.com:9092', 'safe', key => 'payload')".into(), "22023"),
+        ("SELECT outbox.create_kafka_sink('k', 'kafka.example.com:9092', 'safe', timeout_ms => 10)".into(), "22023"),
+        ("SELECT outbox.create_kafka_sink('k', NULL, 'safe')".into(), "22004"),
+    ] {
+        assert_eq!(sqlstate(&mut t, &sql), code, "{sql}");
+    }
+    // A name that resolves to loopback passes creation (a name is not an address), but the
+    // producer never connects there: every connection is checked.
+    t.batch_execute(&format!(
+        "SELECT outbox.create_kafka_sink('named', 'localhost:{}', 'safe', timeout_ms => 2000,
+                properties => '{{\"sasl.password\": \"hunter2-kafka-secret\", \"sasl.username\": \"u\"}}');
+         SELECT outbox.raise('t', '{{}}');",
+        broker.port
+    ))
+    .unwrap();
+    let error: String = eventually("the refused connection", Duration::from_secs(30), || {
+        t.query_one(
+            "SELECT last_error FROM outbox.status() WHERE name = 'named'",
+            &[],
+        )
+        .unwrap()
+        .get::<_, Option<String>>(0)
+    });
+    assert!(error.contains("internal address"), "{error}");
+    // The password is nowhere a role or the log can see.
+    let mut su = db.connect();
+    let visible: i64 = su
+        .query_one(
+            "SELECT count(*) FROM outbox.status() WHERE coalesce(last_error, '') LIKE '%hunter2%'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(visible, 0);
+    assert_eq!(
+        sqlstate(&mut t, "SELECT * FROM outbox.kafka_sinks"),
+        "42501"
+    );
+    assert!(
+        !db.cluster().log().contains("hunter2-kafka-secret"),
+        "the secret is in the server log"
+    );
+}

@@ -3,7 +3,8 @@
 # (matplotlib) under benches/results/<date>/, each figure beside its baselines measured in the
 # same run on the same server (raise vs INSERT and PgQ; dispatch vs PgQ's consumer loop and a
 # SKIP LOCKED queue; latency against rate; a long transaction's stall and recovery; the log's size
-# over a long run with pruning; HTTP sinks; fan-out; jobs vs hand-written queues).
+# over a long run with pruning; HTTP sinks; fan-out; jobs vs hand-written queues; Kafka sinks vs a
+# plain librdkafka producer).
 #
 #   bash benches/report.sh                       # the full run (about 20 minutes on 2 cores)
 #   BENCH_SHORT=1 bash benches/report.sh         # seconds per benchmark: checks it all still runs
@@ -51,4 +52,5 @@ run dispatch bash benches/run.sh dispatch
 run http bash benches/run.sh http
 run subscriptions bash benches/run.sh subscriptions
 run jobs bash benches/jobs.sh
+run kafka bash benches/run.sh kafka
 /usr/bin/python3 benches/report.py "$OUT"

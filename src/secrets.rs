@@ -1,4 +1,4 @@
-//! Keeping HTTP sinks' secrets out of the server log.
+//! Keeping HTTP and Kafka sinks' secrets out of the server log.
 //!
 //! A failing `create_http_sink` was logged with its `STATEMENT:` line, and that line held the
 //! `Authorization` header and the `whsec_` signing secret in clear (issue #10). Messages pg_outbox
@@ -30,8 +30,12 @@ pub fn init() {
 #[pg_guard]
 unsafe extern "C-unwind" fn on_emit_log(edata: *mut pg_sys::ErrorData) {
     if !edata.is_null() && HIDE_STATEMENT.with(|h| h.get()) {
-        // SAFETY: PostgreSQL hands the hook the message being emitted, ours to adjust.
-        unsafe { (*edata).hide_stmt = true };
+        // SAFETY: PostgreSQL hands the hook the message being emitted, ours to adjust. The
+        // context too: called from PL/pgSQL or a DO block, it quotes the statement.
+        unsafe {
+            (*edata).hide_stmt = true;
+            (*edata).hide_ctx = true;
+        }
     }
     // SAFETY: chaining to the hook installed before ours, with the same argument.
     unsafe {

@@ -294,9 +294,31 @@ pub const FIXED_PROPERTIES: &[(&str, &str)] = &[
     ("acks", "all"),
     ("max.in.flight.requests.per.connection", "5"),
     ("enable.gapless.guarantee", "true"),
+    // Messages never time out inside librdkafka: the worker bounds a window's wait itself, and a
+    // window that fails is sent again by a new producer, once the old one and everything it still
+    // held are gone (so that no late message of the old one lands after the new one's).
+    ("message.timeout.ms", "0"),
+    // What one broker response may hold: a producer's are small (librdkafka's 100 MB default is
+    // for consumers), and the worker's memory is the database's.
+    ("receive.message.max.bytes", "4194304"),
+    ("fetch.max.bytes", "1048576"),
 ];
 
 pub const PROPERTY_VALUE_MAX: usize = 65536;
+
+/// The numeric properties a sink may set, with the values allowed: librdkafka accepts far more,
+/// and a metadata refresh every millisecond or a request timeout of a quarter of an hour would
+/// cost the database's host, or the brokers, or break the worker's timing (a window waits for
+/// its acknowledgements within the sink's timeout).
+const NUMERIC_BOUNDS: &[(&str, i64, i64)] = &[
+    ("linger.ms", 0, 1_000),
+    ("batch.num.messages", 1, 100_000),
+    ("batch.size", 1, 16 * 1024 * 1024),
+    ("message.max.bytes", 1_000, 16 * 1024 * 1024),
+    ("request.timeout.ms", 1_000, 300_000),
+    ("socket.timeout.ms", 10_000, 300_000),
+    ("topic.metadata.refresh.interval.ms", 10_000, 3_600_000),
+];
 
 /// Checks a sink's `properties` (a JSON object of strings, numbers or booleans) and returns them
 /// as librdkafka key/value pairs, sorted by key.
@@ -351,6 +373,28 @@ pub fn check_properties(properties: &serde_json::Value) -> Result<Vec<(String, S
                 ))
                 .with_hint(format!("{key} is one of: {}", values.join(", "))));
             }
+        }
+        if let Some((_, min, max)) = NUMERIC_BOUNDS.iter().find(|(k, _, _)| k == key) {
+            match value.parse::<i64>() {
+                Ok(n) if (*min..=*max).contains(&n) => {}
+                _ => {
+                    return Err(refuse(format!(
+                        "property \"{key}\" must be a whole number from {min} to {max}, not \"{}\"",
+                        value.escape_debug()
+                    )))
+                }
+            }
+        }
+        if key == "client.id"
+            && (value.is_empty()
+                || value.len() > KAFKA_TOPIC_MAX
+                || !value.chars().all(kafka_topic_char))
+        {
+            return Err(refuse(format!(
+                "property \"client.id\" is \"{}\"",
+                value.escape_debug()
+            ))
+            .with_hint("client.id is 1 to 249 letters, digits, '.', '_' and '-'"));
         }
         out.push((key.clone(), value));
     }
@@ -471,6 +515,23 @@ mod tests {
         assert_eq!(Key::parse("tenant").unwrap().as_str(), "tenant");
         assert!(Key::parse("Subject").is_err());
         assert!(Key::parse("").is_err());
+    }
+
+    #[test]
+    fn numeric_properties_are_bounded_and_client_id_is_a_name() {
+        for bad in [
+            json!({"topic.metadata.refresh.interval.ms": 1}),
+            json!({"linger.ms": "5000"}),
+            json!({"request.timeout.ms": 900000}),
+            json!({"batch.size": "lots"}),
+            json!({"client.id": "a\nb"}),
+            json!({"client.id": ""}),
+            json!({"client.id": "x".repeat(300)}),
+            json!({"message.timeout.ms": 0}),
+        ] {
+            assert!(check_properties(&bad).is_err(), "{bad}");
+        }
+        assert!(check_properties(&json!({"linger.ms": "20", "client.id": "shop-1"})).is_ok());
     }
 
     #[test]

@@ -161,9 +161,17 @@ fn lease_and_read(id: &str) -> Prepared {
                         properties,
                     },
                     Err(e) => {
-                        super::pause_orphan(id, owner)?;
+                        let why = format!(
+                            "paused: its stored configuration is invalid ({}); drop the sink and create it again",
+                            e.message
+                        );
+                        pgrx::warning!("pg_outbox: kafka sink \"{id}\" {why}");
+                        Spi::run_with_args(
+                            "UPDATE outbox.sinks SET paused = true, last_error = $2, last_sqlstate = '22023', \
+                                    last_error_at = pg_catalog.now() WHERE id = $1",
+                            &[DatumWithOid::from(id), DatumWithOid::from(why.as_str())],
+                        )?;
                         unlock(lease_key);
-                        pgrx::warning!("pg_outbox: kafka sink \"{id}\" is paused: its stored configuration is invalid: {}", e.message);
                         return Ok(Prepared::Absent);
                     }
                 }
@@ -344,6 +352,12 @@ fn join(flying: Flying) -> Outcome {
 struct Flying {
     handle: std::thread::JoinHandle<Outcome>,
     done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Flying {
+    fn landed(&self) -> bool {
+        self.done.load(std::sync::atomic::Ordering::Acquire)
+    }
 }
 
 fn spawn(agent: ureq::Agent, req: Request, max_response: u64) -> Flying {
@@ -541,17 +555,26 @@ fn failure(reason: &str) -> Failure {
 pub struct Agents {
     http: HashMap<String, (ureq::Agent, std::time::Instant)>,
     /// Kafka producers by sink: (producer, its configuration, last used).
-    kafka: HashMap<
-        String,
-        (
-            std::sync::Arc<super::kafka::Producer>,
-            String,
-            std::time::Instant,
-        ),
-    >,
+    kafka: HashMap<String, KeptProducer>,
+    /// Producers being destroyed on threads of their own, by sink: a sink gets a new producer
+    /// only once its previous one is gone (with every message it still held).
+    closing: HashMap<String, Flying>,
 }
 
+type KeptProducer = (
+    std::sync::Arc<super::kafka::Producer>,
+    String,
+    std::time::Instant,
+);
+
 const AGENT_IDLE: Duration = Duration::from_secs(120);
+
+/// Kafka producers one worker keeps at most (each has a few threads of librdkafka's): past it,
+/// the least recently used goes.
+const MAX_PRODUCERS: usize = 32;
+
+/// How long a sink's next window waits for its previous producer to be gone.
+const PRODUCER_CLOSE_WAIT: Duration = Duration::from_secs(3);
 
 impl Agents {
     fn get(&mut self, sink: &Sink) -> ureq::Agent {
@@ -576,7 +599,7 @@ impl Agents {
     }
 
     /// The Kafka producer of `sink`: kept between passes, made again when its configuration or
-    /// the allowed addresses changed, or after a fatal error.
+    /// the allowed addresses changed, after a window failed on it, or after a fatal error.
     fn producer(&mut self, sink: &Sink) -> Result<std::sync::Arc<super::kafka::Producer>, String> {
         let Transport::Kafka {
             brokers,
@@ -588,30 +611,80 @@ impl Agents {
         };
         let properties = properties.clone()?;
         let allow = settings::kafka_allow();
+        let allowed_brokers = settings::kafka_allowed_brokers();
         let config = super::kafka::producer_properties(brokers, &properties, sink.timeout_ms);
-        let fingerprint = format!("{config:?}|{allow:?}");
+        let fingerprint = format!("{config:?}|{allow:?}|{allowed_brokers}");
         self.expire();
         let now = std::time::Instant::now();
         if let Some((producer, seen, used)) = self.kafka.get_mut(&sink.id) {
-            if *seen == fingerprint && producer.fatal().is_none() {
+            if *seen == fingerprint && !producer.spent() {
                 *used = now;
                 return Ok(producer.clone());
             }
         }
-        self.kafka.remove(&sink.id);
-        let producer = super::kafka::Producer::new(&config, allow).map_err(|why| {
-            // librdkafka may quote a value it refused: never a secret one.
-            properties
+        if let Some((old, _, _)) = self.kafka.remove(&sink.id) {
+            self.close(&sink.id, old);
+        }
+        // The previous producer is purged, so its destruction takes moments: wait for it (a
+        // window sent meanwhile could land before the old one's last messages), within a bound.
+        let waited = std::time::Instant::now();
+        while self.closing.get(&sink.id).is_some_and(|c| !c.landed()) {
+            if waited.elapsed() > PRODUCER_CLOSE_WAIT {
+                return Err("the sink's previous Kafka producer is still closing".into());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if self.kafka.len() >= MAX_PRODUCERS {
+            let oldest = self
+                .kafka
                 .iter()
-                .filter(|(k, v)| {
-                    pg_outbox_core::kafka::SECRET_PROPERTIES.contains(&k.as_str()) && !v.is_empty()
-                })
-                .fold(why, |why, (_, v)| why.replace(v.as_str(), "(hidden)"))
-        })?;
+                .min_by_key(|(_, (_, _, used))| *used)
+                .map(|(id, _)| id.clone());
+            if let Some(id) = oldest {
+                let (old, _, _) = self.kafka.remove(&id).expect("present");
+                self.close(&id, old);
+            }
+        }
+        let producer =
+            super::kafka::Producer::new(&config, allow, &allowed_brokers).map_err(|why| {
+                // librdkafka may quote a value it refused: never a secret one.
+                properties
+                    .iter()
+                    .filter(|(k, v)| {
+                        pg_outbox_core::kafka::SECRET_PROPERTIES.contains(&k.as_str())
+                            && !v.is_empty()
+                    })
+                    .fold(why, |why, (_, v)| why.replace(v.as_str(), "(hidden)"))
+            })?;
         let producer = std::sync::Arc::new(producer);
         self.kafka
             .insert(sink.id.clone(), (producer.clone(), fingerprint, now));
         Ok(producer)
+    }
+
+    /// Destroys a producer on a thread of its own (with every signal blocked): librdkafka's
+    /// destruction waits for its threads, which may be in a slow name lookup or handshake, and
+    /// the worker must not wait with them. What it still held is purged first.
+    fn close(&mut self, sink: &str, producer: std::sync::Arc<super::kafka::Producer>) {
+        producer.purge();
+        self.closing.retain(|_, c| !c.landed());
+        let closing = spawn_without_signals(move || {
+            drop(producer);
+            Outcome::Delivered
+        });
+        self.closing.insert(sink.to_string(), closing);
+    }
+
+    /// Closes every producer, and waits up to `bound` for them to be gone (the worker exits).
+    pub fn shutdown(&mut self, bound: Duration) {
+        let producers: Vec<_> = self.kafka.drain().collect();
+        for (sink, (producer, _, _)) in producers {
+            self.close(&sink, producer);
+        }
+        let deadline = std::time::Instant::now() + bound;
+        while std::time::Instant::now() < deadline && self.closing.values().any(|c| !c.landed()) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Drops the agents and producers unused for a while (called every round, so that idle ones
@@ -620,8 +693,17 @@ impl Agents {
         let now = std::time::Instant::now();
         self.http
             .retain(|_, (_, used)| now.duration_since(*used) < AGENT_IDLE);
-        self.kafka
-            .retain(|_, (_, _, used)| now.duration_since(*used) < AGENT_IDLE);
+        let idle: Vec<String> = self
+            .kafka
+            .iter()
+            .filter(|(_, (_, _, used))| now.duration_since(*used) >= AGENT_IDLE)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in idle {
+            let (producer, _, _) = self.kafka.remove(&id).expect("present");
+            self.close(&id, producer);
+        }
+        self.closing.retain(|_, c| !c.landed());
     }
 }
 

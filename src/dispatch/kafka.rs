@@ -25,11 +25,50 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+// librdkafka's error codes, read as the C ints they are: a broker may send a code that
+// rdkafka-sys's Rust enum does not name, and such a value in that enum is undefined behaviour.
+extern "C" {
+    #[link_name = "rd_kafka_err2str"]
+    fn err2str(err: c_int) -> *const c_char;
+    #[link_name = "rd_kafka_error_code"]
+    fn error_code(error: *const rd::rd_kafka_error_t) -> c_int;
+    #[link_name = "rd_kafka_fatal_error"]
+    fn fatal_error(rk: *mut rd::rd_kafka_t, text: *mut c_char, size: usize) -> c_int;
+    #[link_name = "rd_kafka_last_error"]
+    fn last_error() -> c_int;
+}
+
+use rd::rd_kafka_resp_err_t as E;
+
+/// Errors that are about the message, not the brokers: no retry can make them pass.
+const PERMANENT: [c_int; 10] = [
+    E::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE as c_int,
+    E::RD_KAFKA_RESP_ERR_RECORD_LIST_TOO_LARGE as c_int,
+    E::RD_KAFKA_RESP_ERR_INVALID_RECORD as c_int,
+    E::RD_KAFKA_RESP_ERR_INVALID_MSG as c_int,
+    E::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED as c_int,
+    E::RD_KAFKA_RESP_ERR_TOPIC_EXCEPTION as c_int,
+    E::RD_KAFKA_RESP_ERR_POLICY_VIOLATION as c_int,
+    E::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART as c_int,
+    E::RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC as c_int,
+    E::RD_KAFKA_RESP_ERR__INVALID_ARG as c_int,
+];
+const NO_ERROR: c_int = E::RD_KAFKA_RESP_ERR_NO_ERROR as c_int;
+const QUEUE_FULL: c_int = E::RD_KAFKA_RESP_ERR__QUEUE_FULL as c_int;
+const CRIT_SYS_RESOURCE: c_int = E::RD_KAFKA_RESP_ERR__CRIT_SYS_RESOURCE as c_int;
+
+fn permanent(err: c_int) -> bool {
+    PERMANENT.contains(&err)
+}
+
 /// What the callbacks share with the threads that produce and poll.
 struct Context {
     allow: rules::Allow,
+    /// `pg_outbox.kafka_allowed_brokers` when the producer was made: checked for every broker it
+    /// connects to, those the cluster's metadata names too.
+    allowed_brokers: String,
     /// Delivery reports not yet taken: (message opaque, error).
-    reports: Mutex<Vec<(usize, rd::rd_kafka_resp_err_t)>>,
+    reports: Mutex<Vec<(usize, c_int)>>,
     /// The last connection `on_connect` refused, and why.
     refused: Mutex<Option<String>>,
 }
@@ -42,6 +81,8 @@ pub struct Producer {
     /// Windows sent so far: a window's messages carry its number, so that late reports of an
     /// earlier window that timed out are not taken for this one's.
     windows: AtomicU32,
+    /// A window failed on it: it is not used again (see `send`).
+    retired: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: rd_kafka_t is thread-safe (librdkafka's documented contract for producers), and the
@@ -50,11 +91,22 @@ unsafe impl Send for Producer {}
 // SAFETY: as above.
 unsafe impl Sync for Producer {}
 
-fn err_text(err: rd::rd_kafka_resp_err_t) -> String {
-    // SAFETY: rd_kafka_err2str returns a static string for every code.
-    unsafe { CStr::from_ptr(rd::rd_kafka_err2str(err)) }
+fn err_text(err: c_int) -> String {
+    // SAFETY: rd_kafka_err2str returns a static string for every code, known or not.
+    unsafe { CStr::from_ptr(err2str(err)) }
         .to_string_lossy()
         .into_owned()
+}
+
+/// librdkafka's log: dropped. By default it writes to the server's stderr, outside the log's
+/// format and rate, with text that brokers (and client.id) choose. Failures reach the sink's
+/// status through the delivery reports.
+unsafe extern "C" fn on_log(
+    _rk: *const rd::rd_kafka_t,
+    _level: c_int,
+    _facility: *const c_char,
+    _text: *const c_char,
+) {
 }
 
 /// Delivery report callback: runs on the thread that polls (a window's thread).
@@ -64,10 +116,16 @@ unsafe extern "C" fn on_delivery(
     opaque: *mut c_void,
 ) {
     // SAFETY: opaque is the Context the producer was created with, alive while it is; message is
-    // valid for the callback's duration.
-    let (context, message) = unsafe { (&*(opaque as *const Context), &*message) };
+    // valid for the callback's duration; its error is read as the C int it is.
+    let (context, opaque, err) = unsafe {
+        (
+            &*(opaque as *const Context),
+            (*message)._private as usize,
+            std::ptr::addr_of!((*message).err).cast::<c_int>().read(),
+        )
+    };
     if let Ok(mut reports) = context.reports.lock() {
-        reports.push((message._private as usize, message.err));
+        reports.push((opaque, err));
     }
 }
 
@@ -77,15 +135,35 @@ unsafe extern "C" fn on_connect(
     socket: c_int,
     address: *const libc::sockaddr,
     length: c_int,
-    _id: *const c_char,
+    id: *const c_char,
     opaque: *mut c_void,
 ) -> c_int {
-    // SAFETY: opaque is the Context; address points to `length` bytes of a socket address.
+    // SAFETY: opaque is the Context; address points to `length` bytes of a socket address; id is
+    // the broker's "host:port", a C string, or NULL.
     let context = unsafe { &*(opaque as *const Context) };
     let ip = unsafe { socket_ip(address, length) };
-    let verdict = match ip {
-        Some(ip) => rules::check_address(ip, context.allow).map_err(|e| e.message),
-        None => Err("a broker address that is neither IPv4 nor IPv6".to_string()),
+    let host = (!id.is_null())
+        .then(|| unsafe { CStr::from_ptr(id) }.to_string_lossy().into_owned())
+        .map(|id| broker_host(&id).to_string());
+    // The reasons name no address: a tenant chooses the names, and the server's resolver must
+    // not become its map of the internal network.
+    let verdict = match (ip, host) {
+        (_, Some(host)) if !pg_outbox_core::http::host_allowed(&host, &context.allowed_brokers) => {
+            Err(format!(
+                "the cluster named broker \"{host}\", which is not in pg_outbox.kafka_allowed_brokers"
+            ))
+        }
+        (Some(ip), _) => match pg_outbox_core::http::reach(ip) {
+            pg_outbox_core::http::Reach::Global => Ok(()),
+            pg_outbox_core::http::Reach::Private if context.allow.private_addresses => Ok(()),
+            pg_outbox_core::http::Reach::Private => Err(
+                "a broker's address is internal, and pg_outbox.kafka_allow_private is off".to_string(),
+            ),
+            pg_outbox_core::http::Reach::Never => Err(
+                "a broker's address is link-local, metadata or otherwise never allowed".to_string(),
+            ),
+        },
+        (None, _) => Err("a broker address that is neither IPv4 nor IPv6".to_string()),
     };
     if let Err(why) = verdict {
         if let Ok(mut refused) = context.refused.lock() {
@@ -104,6 +182,12 @@ unsafe extern "C" fn on_connect(
         }
     }
     0
+}
+
+/// The host of a broker's `host:port` (`[v6]:port` too).
+fn broker_host(id: &str) -> &str {
+    let host = id.rsplit_once(':').map_or(id, |(h, _)| h);
+    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 /// The IP address of a socket address, if it is one.
@@ -139,10 +223,15 @@ unsafe fn socket_ip(address: *const libc::sockaddr, length: c_int) -> Option<std
 
 impl Producer {
     /// A producer for `properties` (the sink's, checked by `rules::check_properties`, and the
-    /// worker's own), connecting only where `allow` lets it.
-    pub fn new(properties: &[(String, String)], allow: rules::Allow) -> Result<Producer, String> {
+    /// worker's own), connecting only where `allow` and `allowed_brokers` let it.
+    pub fn new(
+        properties: &[(String, String)],
+        allow: rules::Allow,
+        allowed_brokers: &str,
+    ) -> Result<Producer, String> {
         let context = Box::into_raw(Box::new(Context {
             allow,
+            allowed_brokers: allowed_brokers.to_string(),
             reports: Mutex::new(Vec::new()),
             refused: Mutex::new(None),
         }));
@@ -178,6 +267,7 @@ impl Producer {
             rd::rd_kafka_conf_set_opaque(conf, context as *mut c_void);
             rd::rd_kafka_conf_set_dr_msg_cb(conf, Some(on_delivery));
             rd::rd_kafka_conf_set_connect_cb(conf, Some(on_connect));
+            rd::rd_kafka_conf_set_log_cb(conf, Some(on_log));
             // librdkafka's threads inherit this mask: none of them may run the worker's
             // signal handlers.
             let mut all: libc::sigset_t = std::mem::zeroed();
@@ -192,16 +282,21 @@ impl Producer {
             );
             libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
             if rk.is_null() {
-                rd::rd_kafka_conf_destroy(conf);
-                drop(Box::from_raw(context));
-                return Err(CStr::from_ptr(error.as_ptr())
+                let why = CStr::from_ptr(error.as_ptr())
                     .to_string_lossy()
-                    .into_owned());
+                    .into_owned();
+                // Its threads failed to start in time: they may still run, and use both. Leaked.
+                if last_error() != CRIT_SYS_RESOURCE {
+                    rd::rd_kafka_conf_destroy(conf);
+                    drop(Box::from_raw(context));
+                }
+                return Err(why);
             }
             Ok(Producer {
                 rk,
                 context,
                 windows: AtomicU32::new(0),
+                retired: std::sync::atomic::AtomicBool::new(false),
             })
         }
     }
@@ -211,12 +306,29 @@ impl Producer {
         unsafe { &*self.context }
     }
 
+    /// Whether it must be replaced: a window failed on it, or it has a fatal error.
+    pub fn spent(&self) -> bool {
+        self.retired.load(Ordering::Acquire) || self.fatal().is_some()
+    }
+
+    /// Gives back what it still holds (queued and in-flight messages fail at once): before it is
+    /// dropped, so that its destruction does not wait for them.
+    pub fn purge(&self) {
+        // SAFETY: a valid handle.
+        unsafe {
+            rd::rd_kafka_purge(
+                self.rk,
+                (rd::RD_KAFKA_PURGE_F_QUEUE | rd::RD_KAFKA_PURGE_F_INFLIGHT) as c_int,
+            )
+        };
+    }
+
     /// The fatal error of an idempotent producer (a gap it cannot close): it must be replaced.
     pub fn fatal(&self) -> Option<String> {
         let mut text = [0 as c_char; 512];
         // SAFETY: a valid handle and buffer.
-        let err = unsafe { rd::rd_kafka_fatal_error(self.rk, text.as_mut_ptr(), text.len()) };
-        (err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR).then(|| {
+        let err = unsafe { fatal_error(self.rk, text.as_mut_ptr(), text.len()) };
+        (err != NO_ERROR).then(|| {
             // SAFETY: librdkafka wrote a NUL-terminated string.
             unsafe { CStr::from_ptr(text.as_ptr()) }
                 .to_string_lossy()
@@ -225,20 +337,31 @@ impl Producer {
     }
 
     /// Sends `messages` and waits until every one is acknowledged or failed, or until
-    /// `timeout`. On a thread of the window's own.
+    /// `timeout`. On a thread of the window's own. A window that is not delivered whole retires
+    /// the producer (purged, and replaced for the next window once it is gone): a message of it
+    /// still queued or in flight must not land after the messages the window is sent again with,
+    /// or one key's events could be seen out of order.
     pub fn send(&self, messages: &[Message], timeout: Duration) -> Outcome {
+        let outcome = self.send_once(messages, timeout);
+        if !matches!(outcome, Outcome::Delivered) {
+            self.retired.store(true, Ordering::Release);
+            self.purge();
+        }
+        outcome
+    }
+
+    fn send_once(&self, messages: &[Message], timeout: Duration) -> Outcome {
         let window = self.windows.fetch_add(1, Ordering::Relaxed).wrapping_add(1) as usize;
         let tag = |i: usize| (window << 32) | i;
         self.context().reports.lock().map(|mut r| r.clear()).ok();
+        self.context().refused.lock().map(|mut r| *r = None).ok();
         let deadline = Instant::now() + timeout;
         for (i, m) in messages.iter().enumerate() {
             loop {
                 match self.produce(m, tag(i)) {
                     Ok(()) => break,
                     // The producer's queue is full: let it drain.
-                    Err(rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR__QUEUE_FULL)
-                        if Instant::now() < deadline =>
-                    {
+                    Err(QUEUE_FULL) if Instant::now() < deadline => {
                         // SAFETY: a valid handle.
                         unsafe { rd::rd_kafka_poll(self.rk, 10) };
                     }
@@ -248,7 +371,7 @@ impl Producer {
         }
         let mut done = vec![false; messages.len()];
         let mut left = messages.len();
-        let mut failed: Option<(usize, rd::rd_kafka_resp_err_t)> = None;
+        let mut failed: Option<(usize, c_int)> = None;
         while left > 0 {
             let wait = deadline.saturating_duration_since(Instant::now());
             if wait.is_zero() {
@@ -271,7 +394,7 @@ impl Producer {
                 }
                 done[i] = true;
                 left -= 1;
-                if err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR {
+                if err != NO_ERROR {
                     // The first refusal for good decides; else the first failure.
                     let worse = match failed {
                         None => true,
@@ -289,7 +412,7 @@ impl Producer {
         }
     }
 
-    fn produce(&self, m: &Message, opaque: usize) -> Result<(), rd::rd_kafka_resp_err_t> {
+    fn produce(&self, m: &Message, opaque: usize) -> Result<(), c_int> {
         use rd::rd_kafka_vtype_t as T;
         let vu = |vtype: T, u: rd::rd_kafka_vu_s__bindgen_ty_1| rd::rd_kafka_vu_t { vtype, u };
         let mut vus = Vec::with_capacity(6 + m.headers.len());
@@ -350,7 +473,7 @@ impl Producer {
             if error.is_null() {
                 Ok(())
             } else {
-                let code = rd::rd_kafka_error_code(error);
+                let code = error_code(error);
                 rd::rd_kafka_error_destroy(error);
                 Err(code)
             }
@@ -360,7 +483,7 @@ impl Producer {
     /// The failure policy's reading of `err` for message `m`: refused for good (a message the
     /// broker will never take: too large, a topic that refuses it or does not exist, no right to
     /// write it) or transient (everything else: an outage, a timeout, a leader election).
-    fn outcome_of(&self, m: &Message, err: rd::rd_kafka_resp_err_t) -> Outcome {
+    fn outcome_of(&self, m: &Message, err: c_int) -> Outcome {
         let reason = format!(
             "event {} to Kafka topic \"{}\": {}",
             m.id,
@@ -398,24 +521,6 @@ impl Drop for Producer {
             drop(Box::from_raw(self.context as *mut Context));
         }
     }
-}
-
-/// Errors that are about the message, not the brokers: no retry can make them pass.
-fn permanent(err: rd::rd_kafka_resp_err_t) -> bool {
-    use rd::rd_kafka_resp_err_t as E;
-    matches!(
-        err,
-        E::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE
-            | E::RD_KAFKA_RESP_ERR_RECORD_LIST_TOO_LARGE
-            | E::RD_KAFKA_RESP_ERR_INVALID_RECORD
-            | E::RD_KAFKA_RESP_ERR_INVALID_MSG
-            | E::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED
-            | E::RD_KAFKA_RESP_ERR_TOPIC_EXCEPTION
-            | E::RD_KAFKA_RESP_ERR_POLICY_VIOLATION
-            | E::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART
-            | E::RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC
-            | E::RD_KAFKA_RESP_ERR__INVALID_ARG
-    )
 }
 
 /// One message, ready for the wire.
@@ -487,7 +592,9 @@ pub fn messages(target: &Target, window: &str) -> Result<Vec<Message>, String> {
                 }
                 // The event's own headers, under their names; none may pose as an attribute.
                 for (name, value) in own {
-                    if name.starts_with("ce_") || name.eq_ignore_ascii_case("content-type") {
+                    if name.to_ascii_lowercase().starts_with("ce_")
+                        || name.eq_ignore_ascii_case("content-type")
+                    {
                         continue;
                     }
                     let value = match value {
@@ -519,7 +626,7 @@ pub fn send_window(
     timeout: Duration,
 ) -> Outcome {
     match messages(target, window) {
-        Ok(messages) => producer.send(&messages, timeout + Duration::from_secs(2)),
+        Ok(messages) => producer.send(&messages, timeout),
         Err(reason) => Outcome::Rejected { reason },
     }
 }
@@ -559,12 +666,14 @@ pub fn producer_properties(
         out.retain(|(key, _)| key != k);
         out.push((k.clone(), v.clone()));
     }
-    // A message not acknowledged within the sink's timeout fails; the window's thread waits a
-    // little longer, so that it hears why.
-    out.push((
-        "message.timeout.ms".into(),
-        timeout_ms.max(1000).to_string(),
-    ));
+    // A request the brokers do not answer fails within the sink's timeout (librdkafka's
+    // message.timeout.ms is off: the window's thread bounds the wait, see FIXED_PROPERTIES).
+    if !sink.iter().any(|(k, _)| k == "request.timeout.ms") {
+        out.push((
+            "request.timeout.ms".into(),
+            timeout_ms.clamp(1000, 300_000).to_string(),
+        ));
+    }
     for (k, v) in rules::FIXED_PROPERTIES {
         out.retain(|(key, _)| key != k);
         out.push((k.to_string(), v.to_string()));

@@ -181,6 +181,9 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         settings_at_start: unsafe { pg_sys::GetNumConfigOptions() },
     };
     worker.run();
+    // librdkafka's threads must be gone before the process exits (OpenSSL's exit handlers would
+    // run under them): every Kafka producer is purged and destroyed, within a bound.
+    worker.agents.shutdown(Duration::from_secs(5));
     // SAFETY: ends this process; the launcher decides whether another takes its place.
     unsafe { pg_sys::proc_exit(0) };
 }
@@ -357,9 +360,7 @@ impl Worker {
                 if self.in_flight.iter().any(|f| f.sink_id() == sink) {
                     continue;
                 }
-                activity(&format!(
-                    "http sink \"{sink}\": reading and sending a batch"
-                ));
+                activity(&format!("sink \"{sink}\": reading and sending a batch"));
                 match dispatch::http::start(&sink, &mut self.agents) {
                     Ok(dispatch::http::Started::InFlight(flight)) => {
                         self.in_flight.push(*flight);

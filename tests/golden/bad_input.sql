@@ -495,6 +495,10 @@ SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', proper
 SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"compression.type": "zstd"}');
 SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"linger.ms": null}');
 SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"sasl.password": {"a": 1}}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"topic.metadata.refresh.interval.ms": 1}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"request.timeout.ms": "900000"}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"client.id": "a\nb"}');
+SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', properties => '{"message.timeout.ms": 1}');
 SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', batch_size => 0);
 SELECT outbox.create_kafka_sink('k2', 'kafka.example.com:9092', 'events', topics => '{"a b"}');
 SELECT outbox.create_kafka_sink('bad name', 'kafka.example.com:9092', 'events');

@@ -661,6 +661,9 @@ pub fn producer_properties(
         ("queue.buffering.max.kbytes".into(), "65536".into()),
         ("queue.buffering.max.messages".into(), "100000".into()),
         ("client.id".into(), "pg_outbox".into()),
+        // A window's messages are produced all at once and batch by themselves: waiting longer
+        // for more (librdkafka's default is 5 ms) only adds to every window's latency.
+        ("linger.ms".into(), "1".into()),
     ];
     for (k, v) in sink {
         out.retain(|(key, _)| key != k);

@@ -13,6 +13,45 @@ mod tests {
     }
 
     #[pg_test]
+    fn the_workers_lock_every_relation_of_the_extension_before_a_step() {
+        // DROP EXTENSION locks each member relation in its own order; a worker step that held
+        // some and then waited on another would deadlock with it. So a step takes every member
+        // up front, without waiting: the list must name them all.
+        let mut listed: Vec<String> = crate::dispatch::MEMBER_RELATIONS
+            .iter()
+            .map(|n| n.to_str().unwrap().to_owned())
+            .collect();
+        listed.sort();
+        let members: Vec<String> = Spi::connect(|c| {
+            c.select(
+                "SELECT c.relname::text FROM pg_catalog.pg_depend d \
+                   JOIN pg_catalog.pg_class c ON c.oid = d.objid \
+                  WHERE d.classid = 'pg_catalog.pg_class'::regclass AND d.deptype = 'e' \
+                    AND d.refobjid = (SELECT oid FROM pg_catalog.pg_extension WHERE extname = 'pg_outbox') \
+                  ORDER BY 1",
+                None,
+                &[],
+            )
+            .unwrap()
+            .map(|r| r.get::<String>(1).unwrap().unwrap())
+            .collect()
+        });
+        assert_eq!(members, listed);
+        assert!(crate::dispatch::lock_tables());
+        assert_eq!(
+            one::<i64>(
+                "SELECT count(*) FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_class c ON c.oid = d.objid \
+                  WHERE d.classid = 'pg_catalog.pg_class'::regclass AND d.deptype = 'e' \
+                    AND d.refobjid = (SELECT oid FROM pg_catalog.pg_extension WHERE extname = 'pg_outbox') \
+                    AND EXISTS (SELECT FROM pg_catalog.pg_locks l \
+                                 WHERE l.pid = pg_catalog.pg_backend_pid() AND l.relation = c.oid AND l.granted \
+                                   AND l.mode = CASE c.relkind WHEN 'v' THEN 'AccessShareLock' ELSE 'RowExclusiveLock' END)"
+            ),
+            members.len() as i64
+        );
+    }
+
+    #[pg_test]
     fn events_of_a_running_transaction_are_not_readable_even_by_itself() {
         Spi::run("SELECT outbox.create_consumer('self')").unwrap();
         Spi::run("SELECT outbox.raise('order.placed', '{\"order\": 1}')").unwrap();

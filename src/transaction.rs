@@ -38,18 +38,54 @@ fn failure_from(e: CaughtError) -> Failure {
     }
 }
 
-/// Runs `f` in a transaction of its own (with a snapshot). Commits on success; on an ERROR rolls
+/// What a worker's transaction returns, untried, while DDL holds a relation of the extension.
+pub const LOCKED_BY_DDL: &str = "a relation of pg_outbox is locked by DDL; the step waits for it";
+/// lock_not_available
+pub const LOCKED_BY_DDL_STATE: &str = "55P03";
+
+/// Whether an error, as a worker reports it (a Failure displayed, perhaps after some context), says
+/// the transaction did not run because DDL held a relation of the extension. Not a failure of the
+/// step: it runs again on a later round.
+pub fn locked_by_ddl(error: &str) -> bool {
+    error.ends_with(&format!("{LOCKED_BY_DDL} (SQLSTATE {LOCKED_BY_DDL_STATE})"))
+}
+
+/// Runs `f` in a transaction of its own (with a snapshot), which first takes every relation of the
+/// extension without waiting; while DDL holds one, `f` does not run and the error says so
+/// ([`Failure::locked_by_ddl`]). Commits on success; on an ERROR rolls
 /// back and returns it.
 pub fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, Failure> {
+    transaction(true, f)
+}
+
+/// [`in_transaction`] for a transaction that touches no relation of the extension (the worker's
+/// first, which names it and pins its settings): it runs even while DDL holds them.
+pub fn in_bare_transaction<R>(f: impl FnOnce() -> R) -> Result<R, Failure> {
+    transaction(false, f)
+}
+
+fn transaction<R>(lock: bool, f: impl FnOnce() -> R) -> Result<R, Failure> {
     // SAFETY: called from the worker's top level, outside any transaction.
     unsafe {
         pg_sys::SetCurrentStatementStartTimestamp();
         pg_sys::StartTransactionCommand();
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
     }
-    let result = PgTryBuilder::new(AssertUnwindSafe(|| Ok(f())))
-        .catch_others(|e| Err(failure_from(e)))
-        .execute();
+    // Before anything else: every relation of the extension, or nothing (see lock_members).
+    let members = if lock {
+        crate::dispatch::lock_members()
+    } else {
+        crate::dispatch::Members::Absent
+    };
+    let result = match members {
+        crate::dispatch::Members::Refused => Err(Failure {
+            sqlstate: LOCKED_BY_DDL_STATE.into(),
+            message: LOCKED_BY_DDL.into(),
+        }),
+        _ => PgTryBuilder::new(AssertUnwindSafe(|| Ok(f())))
+            .catch_others(|e| Err(failure_from(e)))
+            .execute(),
+    };
     // SAFETY: ends the transaction begun above, one way or the other.
     let result = unsafe {
         let result = match result {

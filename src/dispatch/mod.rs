@@ -76,40 +76,86 @@ pub struct DueSinks {
     pub next_attempt_in: Option<Duration>,
 }
 
-/// Takes ACCESS SHARE on every table (and the sequence) a worker step may touch, in one fixed
-/// order, without waiting. False when one is locked by DDL (DROP or ALTER EXTENSION, say) or
-/// missing: the caller skips its step, so the worker never waits behind DDL, and DDL waits at
-/// most for the step in flight, never deadlocks with it.
-pub fn lock_tables() -> bool {
-    const TABLES: [&std::ffi::CStr; 11] = [
-        c"events",
-        c"events_seq",
-        c"consumers",
-        c"sinks",
-        c"http_sinks",
-        c"kafka_sinks",
-        c"dead_letters",
-        c"queues",
-        c"jobs",
-        c"subscriptions",
-        c"schedules",
-    ];
+/// Every relation that is a member of the extension (identity sequences too), in the order the
+/// extension script creates them. Indexes and TOAST tables are not members: DROP EXTENSION reaches
+/// them through their table, which it must lock first. src/tests.rs checks that this list names
+/// every member.
+pub(crate) const MEMBER_RELATIONS: [&std::ffi::CStr; 17] = [
+    c"lineage",
+    c"events_seq",
+    c"events",
+    c"consumers",
+    c"sinks",
+    c"http_sinks",
+    c"sinks_lease_key_seq",
+    c"kafka_sinks",
+    c"dead_letters",
+    c"queues",
+    c"queue_grants",
+    c"jobs_id_seq",
+    c"jobs",
+    c"dead_jobs",
+    c"subscriptions_lease_key_seq",
+    c"subscriptions",
+    c"schedules",
+];
+
+/// Whether a worker's transaction holds the relations of the extension (see [`lock_members`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Members {
+    /// The extension is not installed in this database (its schema is missing).
+    Absent,
+    /// Every member is locked.
+    Held,
+    /// A member is missing (the installed SQL is of another version); the others are locked.
+    Incomplete,
+    /// A member is locked by DDL (DROP or ALTER EXTENSION, say).
+    Refused,
+}
+
+/// Locks every relation of the extension, without waiting ([`step_lock_mode`]). Every transaction of a
+/// worker begins with it (`crate::transaction::in_transaction`) and does nothing more when it is
+/// refused, so the worker never waits behind DDL, and DDL waits at most for the step in flight,
+/// never deadlocks with it: a step may then touch any relation of the extension (the read rule
+/// reads `outbox.lineage`, say) without waiting on a lock DDL holds, as it holds every one.
+pub fn lock_members() -> Members {
     // SAFETY: catalog lookups and lock-manager calls in a transaction; a lock that cannot be had
     // returns false instead of waiting.
     unsafe {
         let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
         if nsp == pg_sys::InvalidOid {
-            return false;
+            return Members::Absent;
         }
-        TABLES.iter().all(|name| {
+        let mut held = Members::Held;
+        for name in MEMBER_RELATIONS {
             let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
-            relid != pg_sys::InvalidOid
-                && pg_sys::ConditionalLockRelationOid(
-                    relid,
-                    pg_sys::AccessShareLock as pg_sys::LOCKMODE,
-                )
-        })
+            if relid == pg_sys::InvalidOid {
+                held = Members::Incomplete;
+            } else if !pg_sys::ConditionalLockRelationOid(relid, step_lock_mode(relid)) {
+                return Members::Refused;
+            }
+        }
+        held
     }
+}
+
+/// The lock a worker step takes on a member up front: the strongest it may need later, so that
+/// it never waits to upgrade while DDL that let it in waits for it. ROW EXCLUSIVE on tables and
+/// sequences (a step writes them, nextval takes it), ACCESS SHARE on the view.
+fn step_lock_mode(relid: pg_sys::Oid) -> pg_sys::LOCKMODE {
+    // SAFETY: a syscache lookup of a relation that exists.
+    let kind = unsafe { pg_sys::get_rel_relkind(relid) } as u8;
+    if kind == pg_sys::RELKIND_VIEW {
+        pg_sys::AccessShareLock as pg_sys::LOCKMODE
+    } else {
+        pg_sys::RowExclusiveLock as pg_sys::LOCKMODE
+    }
+}
+
+/// True when every relation of the extension is locked (see [`lock_members`]); a step that reads
+/// or writes them goes on only then.
+pub fn lock_tables() -> bool {
+    lock_members() == Members::Held
 }
 
 pub fn due_sinks(slot: usize) -> DueSinks {

@@ -111,7 +111,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(pg_sys::Oid::from(oid)), None);
     let hung = slot_started(slot);
     // Before any statement of the worker's own: see crate::isolation.
-    let named = in_transaction(|| {
+    let named = crate::transaction::in_bare_transaction(|| {
         crate::isolation::pin_worker_settings();
         crate::isolation::name_worker(slot);
         // SAFETY: looks up the name of the database this worker is connected to.
@@ -258,7 +258,9 @@ impl Worker {
                 "settings changed under the worker, restored: {}",
                 drifted.join(", ")
             ));
-            if let Err(e) = in_transaction(crate::isolation::pin_worker_settings) {
+            if let Err(e) =
+                crate::transaction::in_bare_transaction(crate::isolation::pin_worker_settings)
+            {
                 self.failed(&format!("restoring settings: {e}"));
                 return poll;
             }
@@ -707,6 +709,10 @@ impl Worker {
     }
 
     fn failed(&self, error: &str) {
+        // DDL holds the extension's tables (DROP EXTENSION, say): the step runs later.
+        if crate::transaction::locked_by_ddl(error) {
+            return;
+        }
         pgrx::warning!("pg_outbox worker {}: {error}", self.slot);
         slot_failure(self.slot, error);
     }

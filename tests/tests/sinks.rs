@@ -588,6 +588,107 @@ fn drop_extension_with_the_worker_running_succeeds_and_create_extension_brings_i
 }
 
 #[test]
+fn ddl_that_locks_the_extension_in_any_order_never_deadlocks_with_the_workers() {
+    let (db, mut c) = setup("sink_ddl_order");
+    recording_sink(&mut c, "books", ", batch_size => 5");
+    // Fan-out and jobs too: they write outbox.jobs and take ids from its sequence.
+    c.batch_execute(
+        "SELECT outbox.subscribe('fan', '{load.*}', queue => 'fanned');
+         UPDATE control SET sleep = 0.02",
+    )
+    .unwrap();
+    let members: Vec<(String, bool)> = c
+        .query(
+            "SELECT c.oid::regclass::text, c.relkind = 'S' FROM pg_depend d JOIN pg_class c ON c.oid = d.objid \
+              WHERE d.classid = 'pg_class'::regclass AND d.deptype = 'e' \
+                AND d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'pg_outbox') \
+              ORDER BY c.oid",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert!(members.len() > 10, "{members:?}");
+    // Events keep coming while the DDL runs, so that the workers are always inside a step.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let raiser = {
+        let stop = stop.clone();
+        let mut r = db.connect();
+        std::thread::spawn(move || {
+            // An application waits on the DDL like on any other; it gives up before a deadlock
+            // could be detected, so that any deadlock found is the workers'.
+            r.batch_execute("SET lock_timeout = '100ms'").unwrap();
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match r.batch_execute("SELECT outbox.raise('load.tick')") {
+                    Ok(()) => n += 1,
+                    Err(e) => assert_eq!(
+                        e.code(),
+                        Some(&postgres::error::SqlState::LOCK_NOT_AVAILABLE),
+                        "{e}"
+                    ),
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            n
+        })
+    };
+    let deadlocks = |db: &TestDb| db.cluster().log().matches("deadlock detected").count();
+    let before = deadlocks(&db);
+    let mut raised = 0;
+    // DDL takes the extension's relations one at a time, as DROP and ALTER EXTENSION do: here each
+    // one first, then the tables every worker step reads, while the workers deliver, fan out and
+    // announce jobs.
+    for (i, (rel, sequence)) in members.iter().enumerate() {
+        if i % 6 == 0 {
+            c.batch_execute("SELECT outbox.raise('load.tick') FROM generate_series(1, 30)")
+                .unwrap();
+            raised += 30;
+        }
+        let mut t = c.transaction().unwrap();
+        t.batch_execute("SET LOCAL lock_timeout = '10s'").unwrap();
+        // A sequence cannot be named in LOCK TABLE; ALTER SEQUENCE takes a lock that nextval
+        // waits for.
+        let lock = if *sequence {
+            format!("ALTER SEQUENCE {rel} NO CYCLE")
+        } else {
+            format!("LOCK TABLE {rel} IN ACCESS EXCLUSIVE MODE")
+        };
+        t.batch_execute(&format!(
+            "{lock}; SELECT pg_sleep(0.15); \
+             LOCK TABLE outbox.jobs, outbox.events, outbox.sinks IN ACCESS EXCLUSIVE MODE"
+        ))
+        .unwrap_or_else(|e| panic!("locking {rel}: {e}"));
+        t.commit().unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    raised += raiser.join().unwrap();
+    let ledger = wait_ledger(&mut c, "books", raised, Duration::from_secs(20));
+    assert_eq!(ledger.len(), raised, "each event once");
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'fanned'"
+        ),
+        raised as i64
+    );
+    let log = db.cluster().log();
+    assert_eq!(
+        deadlocks(&db),
+        before,
+        "no deadlock, on either side: {}",
+        log.lines()
+            .filter(|l| l.contains("deadlock")
+                || l.contains("Process ")
+                || l.contains("STATEMENT")
+                || l.contains("CONTEXT"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[test]
 fn every_commit_wakes_a_worker_without_waiting_for_the_poll_interval() {
     let (db, mut c) = setup("sink_wake");
     // A lost wake-up would now cost 30 s; each event must arrive within 5.

@@ -3,20 +3,24 @@
 # with pg_outbox preloaded (unix socket under /tmp, its own port), and walks through the job end
 # to end: raise events in transactions (one rolled back), read them as a consumer, advance the
 # cursor, deliver to a SQL sink, see the horizon, fan events out through a filtered subscription
-# to a SQL handler, post them to an HTTP endpoint on loopback, and install pg_outbox in a second
-# database that gets delivery with no setting. The cluster stays up for you to explore; `stop`
-# removes it.
+# to a SQL handler, post them to an HTTP endpoint on loopback, install pg_outbox in a second
+# database that gets delivery with no setting, and (when Java and the Kafka jars scripts/setup.sh
+# fetches are there) deliver into an Apache Kafka broker on loopback. The cluster stays up for you
+# to explore; `stop` removes it (and the broker).
 #
 #   bash scripts/quickstart.sh          run it (again: it starts from scratch)
 #   bash scripts/quickstart.sh stop     stop the cluster and delete its directory
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/cluster.sh
+source scripts/kafka.sh
 
 DIR=${PG_OUTBOX_QUICKSTART_DIR:-/tmp/pg_outbox-quickstart}
 PORT=${PG_OUTBOX_QUICKSTART_PORT:-54329}
 
 HOOK_PORT=${PG_OUTBOX_QUICKSTART_HOOK_PORT:-54330}
+# The broker listens on KAFKA_PORT and its controller on KAFKA_PORT + 1.
+KAFKA_PORT=${PG_OUTBOX_QUICKSTART_KAFKA_PORT:-54331}
 
 stop_receiver() {
   if [ -f "$DIR/receiver.pid" ]; then kill "$(cat "$DIR/receiver.pid")" 2>/dev/null || true; fi
@@ -24,6 +28,7 @@ stop_receiver() {
 
 if [ "${1:-}" = stop ]; then
   stop_receiver
+  [ -d "$DIR/kafka" ] && kafka_stop "$DIR/kafka"
   cluster_stop "$DIR"
   echo "stopped; $DIR removed"
   exit 0
@@ -36,10 +41,12 @@ cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >"
   || { cat /tmp/pg_outbox-install.log; exit 1; }
 
 stop_receiver
+[ -d "$DIR/kafka" ] && kafka_stop "$DIR/kafka"
 cluster_stop "$DIR"
-# HTTP sinks refuse plain http:// and loopback addresses unless a superuser allows them: the
-# endpoint of step 9 is a receiver on 127.0.0.1.
-cluster_start "$DIR" "$PORT" "pg_outbox.http_allow_plain = on" "pg_outbox.http_allow_private = on"
+# HTTP and Kafka sinks refuse plain http:// and loopback addresses unless a superuser allows
+# them: the endpoint of step 9 is a receiver on 127.0.0.1, the broker of step 11 too.
+cluster_start "$DIR" "$PORT" "pg_outbox.http_allow_plain = on" "pg_outbox.http_allow_private = on" \
+  "pg_outbox.kafka_allow_private = on"
 cluster_psql "$DIR" "$PORT" -d postgres -c "CREATE DATABASE app" >/dev/null
 
 run() { cluster_psql "$DIR" "$PORT" -d app --echo-queries "$@"; }
@@ -213,6 +220,33 @@ END $$;
 SELECT topic FROM audit;
 SQL
 run -c "SELECT datname, count(*) AS workers FROM pg_stat_activity WHERE backend_type = 'pg_outbox worker' GROUP BY datname ORDER BY datname"
+
+cat <<'TXT'
+
+== 11. A Kafka sink: the log delivered into Apache Kafka, one message per event, keyed by subject
+TXT
+if command -v java >/dev/null && kafka_lib >/dev/null 2>&1; then
+  echo "-- starting a one-node Kafka broker on 127.0.0.1:$KAFKA_PORT (KRaft; its files in $DIR/kafka)"
+  kafka_start "$DIR/kafka" "$KAFKA_PORT"
+  kafka_topic "$DIR/kafka" "$KAFKA_PORT" shop.order.placed 3
+  run <<SQL
+SELECT outbox.create_kafka_sink('to-kafka', '127.0.0.1:$KAFKA_PORT', kafka_topic => 'shop.{topic}',
+         topics => ARRAY['order.placed'], start_at => 'now');
+BEGIN;
+SELECT outbox.raise('order.placed', '{"order": 61, "amount": 20}', subject => 'order/61');
+SELECT outbox.raise('order.placed', '{"order": 62, "amount": 35}', subject => 'order/62');
+COMMIT;
+SELECT outbox.raise('order.placed', '{"order": 61, "amount": 25}', subject => 'order/61');
+SQL
+  echo "-- a Kafka consumer reads them (key, CloudEvents headers, value):"
+  kafka_tool org.apache.kafka.tools.consumer.ConsoleConsumer --bootstrap-server "127.0.0.1:$KAFKA_PORT" \
+    --topic shop.order.placed --from-beginning --max-messages 3 --timeout-ms 30000 \
+    --formatter-property print.key=true --formatter-property print.headers=true \
+    --formatter-property print.partition=true
+  run -c "SELECT name, kind, events_behind, state FROM outbox.status() WHERE name = 'to-kafka'"
+else
+  echo "-- skipped: no Java 17, or no Kafka jars (scripts/setup.sh fetches them where Maven Central is reachable)"
+fi
 
 cat <<TXT
 

@@ -662,6 +662,26 @@ impl Agents {
         Ok(producer)
     }
 
+    /// Makes the producer of a Kafka sink ahead of its first window, unless one exists or the
+    /// previous one is still closing: an idempotent producer sends nothing until the broker gave
+    /// it a producer id, which takes up to a second (`kafka::WARM_AFTER`), so a worker makes it
+    /// while the sink is idle or another worker sends. True when it is ready to send.
+    fn warm_up(&mut self, sink: &Sink) -> bool {
+        if !sink.is_kafka() {
+            return true;
+        }
+        if let Some((producer, _, _)) = self.kafka.get(&sink.id) {
+            if !producer.spent() {
+                return producer.warm();
+            }
+        }
+        if self.closing.get(&sink.id).is_some_and(|c| !c.landed()) {
+            return false;
+        }
+        // A producer that cannot be made says why in the pass that needs it.
+        self.producer(sink).is_ok_and(|p| p.warm())
+    }
+
     /// Destroys a producer on a thread of its own (with every signal blocked): librdkafka's
     /// destruction waits for its threads, which may be in a slow name lookup or handshake, and
     /// the worker must not wait with them. What it still held is purged first.
@@ -883,9 +903,17 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
         }
     };
     let Some(last) = window.last else {
+        // Nothing to send: a Kafka sink's producer gets ready meanwhile (see Agents::warm_up).
+        agents.warm_up(&sink);
         release(sink.lease_key)?;
         return Ok(Started::Done(PassResult::Idle));
     };
+    if sink.is_kafka() && !agents.warm_up(&sink) && crate::worker::not_alone() {
+        // This worker's producer still waits for its producer id: another worker, whose
+        // producer is ready, sends the window sooner. This one looks again soon.
+        release(sink.lease_key)?;
+        return Ok(Started::Done(PassResult::Contended));
+    }
     if window.body.is_none() {
         // Nothing here for this sink's topics: move past the window.
         let full = window.count as u32 >= sink.state.batch;

@@ -1171,6 +1171,18 @@ pub(crate) fn first_of_database(slot: usize) -> bool {
         == Some(slot)
 }
 
+/// Whether another worker serves this worker's database.
+pub(crate) fn not_alone() -> bool {
+    let database = my_database();
+    WORKERS
+        .share()
+        .slots
+        .iter()
+        .filter(|s| s.serving(database))
+        .count()
+        > 1
+}
+
 /// An extra worker that found nothing to do may exit: true (and it must exit) when its database
 /// keeps more than `pg_outbox.min_workers` workers without it and another of them is free to
 /// take new work (not inside a handler). Decided under the lock, so two idle workers never both

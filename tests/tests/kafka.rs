@@ -324,6 +324,45 @@ fn kafka_sinks_refuse_internal_addresses_and_keep_their_secrets() {
         !db.cluster().log().contains("hunter2-kafka-secret"),
         "the secret is in the server log"
     );
+    // The allowlist holds for the brokers the cluster's metadata names too: bootstrapped through
+    // an allowed name, a broker that advertises itself as 127.0.0.1 is not reached.
+    db.cluster().set("pg_outbox.kafka_allow_private", "on");
+    db.cluster()
+        .set("pg_outbox.kafka_allowed_brokers", "localhost");
+    su.batch_execute(&format!(
+        "SELECT outbox.create_kafka_sink('meta', 'localhost:{}', 'safe', timeout_ms => 2000, start_at => 'now');
+         SELECT outbox.raise('t.meta', '{{\"via\": \"metadata\"}}');",
+        broker.port
+    ))
+    .unwrap();
+    let error: String = eventually("the refused broker", Duration::from_secs(30), || {
+        su.query_one(
+            "SELECT last_error FROM outbox.status() WHERE name = 'meta'",
+            &[],
+        )
+        .unwrap()
+        .get::<_, Option<String>>(0)
+    });
+    assert!(
+        error.contains(
+            "named broker \"127.0.0.1\", which is not in pg_outbox.kafka_allowed_brokers"
+        ),
+        "{error}"
+    );
+    let dead: i64 = su
+        .query_one(
+            "SELECT count(*) FROM outbox.dead_letters WHERE sink = 'meta'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(dead, 0, "a refused broker is an outage, not poison");
+    // Once a superuser allows it, the waiting event goes through.
+    db.cluster()
+        .set("pg_outbox.kafka_allowed_brokers", "localhost, 127.0.0.1");
+    let got = broker.consume("safe", 1, Duration::from_secs(60));
+    assert!(got.iter().any(|r| r.value.contains("metadata")), "{got:?}");
+    db.cluster().set("pg_outbox.kafka_allowed_brokers", "");
 }
 
 /// A connection to `db`, waiting out a server that is restarting after a crash.

@@ -709,17 +709,6 @@ CREATE TABLE outbox.kafka_sinks (
     timeout_ms  integer NOT NULL CHECK (timeout_ms BETWEEN 1000 AND 600000)
 );
 
--- One event as a Kafka sink sends it (src/dispatch/kafka.rs makes the message): its attributes,
--- its own headers, and its payload as text, the message's value, exactly as PostgreSQL prints it
--- (no number rounded on the way).
-CREATE FUNCTION outbox._kafka_message(e outbox.event) RETURNS jsonb
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT jsonb_build_object('id', e.id, 'position', e.position, 'topic', e.topic, 'subject', e.subject,
-                              'tenant', e.tenant, 'headers', e.headers,
-                              'time', to_char(e.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
-                              'value', e.payload::text)
-$$;
-
 CREATE OR REPLACE FUNCTION outbox._zoned_instant(wall timestamp, zone text) RETURNS timestamptz
 LANGUAGE plpgsql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -1438,7 +1427,7 @@ BEGIN
                     '_start_delivery', 'metrics', '_log_txid', '_log_horizon',
                     'set_schedule', 'schedule', 'schedule_status', '_schedule', '_schedule_allowed',
                     '_schedule_denied', '_ran_each', '_place_one_offs', '_check_expire_after', '_alter_queue',
-                    'alter_queue', '_announce_jobs', '_schedule_status', '_announce', 'create_kafka_sink', '_kafka_message']) LOOP
+                    'alter_queue', '_announce_jobs', '_schedule_status', '_announce', 'create_kafka_sink']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

@@ -560,81 +560,98 @@ pub struct Target {
     pub source: String,
 }
 
-/// The messages of a window, from the JSON array `outbox._kafka_message` rows make; or why an
-/// event cannot become one (a Kafka topic name its template cannot make): a refusal for good.
+/// The next field of a frame (`http::kafka_frame`): `<bytes>:<text>`, or `~` for NULL.
+fn next_field<'a>(frame: &mut &'a str) -> Result<Option<&'a str>, String> {
+    if let Some(rest) = frame.strip_prefix('~') {
+        *frame = rest;
+        return Ok(None);
+    }
+    let (length, rest) = frame
+        .split_once(':')
+        .ok_or_else(|| "reading the window: a field without its length".to_string())?;
+    let length: usize = length
+        .parse()
+        .map_err(|_| format!("reading the window: a field length of \"{length}\""))?;
+    if rest.len() < length || !rest.is_char_boundary(length) {
+        return Err("reading the window: a field shorter than its length".into());
+    }
+    let (field, rest) = rest.split_at(length);
+    *frame = rest;
+    Ok(Some(field))
+}
+
+/// The messages of a window, from its events framed by `http::kafka_frame`; or why an event cannot
+/// become one (a Kafka topic name its template cannot make): a refusal for good.
 pub fn messages(target: &Target, window: &str) -> Result<Vec<Message>, String> {
-    let events: Vec<serde_json::Map<String, serde_json::Value>> =
-        serde_json::from_str(window).map_err(|e| format!("reading the window: {e}"))?;
-    let text = |e: &serde_json::Map<String, serde_json::Value>, k: &str| {
-        e.get(k).and_then(|v| v.as_str()).map(str::to_string)
-    };
-    let cstring = |s: String| CString::new(s.replace('\0', "")).expect("no NUL left");
-    events
-        .iter()
-        .map(|e| {
-            let id = text(e, "id").unwrap_or_default();
-            let topic = text(e, "topic").unwrap_or_default();
-            let kafka_topic = target
-                .template
-                .render(&topic)
-                .map_err(|why| format!("event {id}: {why}"))?;
-            let subject = text(e, "subject");
-            let tenant = text(e, "tenant");
-            let key = match target.key {
-                Key::Subject => subject.clone(),
-                Key::Tenant => tenant.clone(),
-                Key::None => None,
-            };
-            let mut headers: Vec<(String, String)> = vec![
-                ("ce_specversion".into(), "1.0".into()),
-                ("ce_id".into(), id.clone()),
-                ("ce_source".into(), target.source.clone()),
-                ("ce_type".into(), topic.clone()),
-                ("ce_time".into(), text(e, "time").unwrap_or_default()),
-                (
-                    "ce_position".into(),
-                    text(e, "position").unwrap_or_default(),
-                ),
-                ("content-type".into(), "application/json".into()),
-            ];
-            if let Some(s) = subject {
-                headers.push(("ce_subject".into(), s));
-            }
-            if let Some(t) = tenant {
-                headers.push(("ce_tenant".into(), t));
-            }
-            if let Some(serde_json::Value::Object(own)) = e.get("headers") {
-                for name in ["traceparent", "tracestate"] {
-                    if let Some(serde_json::Value::String(v)) = own.get(name) {
-                        headers.push((format!("ce_{name}"), v.clone()));
-                    }
-                }
-                // The event's own headers, under their names; none may pose as an attribute.
-                for (name, value) in own {
-                    if name.to_ascii_lowercase().starts_with("ce_")
-                        || name.eq_ignore_ascii_case("content-type")
-                    {
-                        continue;
-                    }
-                    let value = match value {
-                        serde_json::Value::String(s) => s.clone(),
-                        other => other.to_string(),
-                    };
-                    headers.push((name.clone(), value));
+    let cstring = |s: &str| CString::new(s.replace('\0', "")).expect("no NUL left");
+    let mut rest = window;
+    let mut messages = Vec::new();
+    while !rest.is_empty() {
+        let mut field = || next_field(&mut rest);
+        let id = field()?.unwrap_or_default().to_string();
+        let position = field()?.unwrap_or_default();
+        let topic = field()?.unwrap_or_default();
+        let subject = field()?;
+        let tenant = field()?;
+        let own = field()?;
+        let time = field()?.unwrap_or_default();
+        let value = field()?.unwrap_or_default();
+        let kafka_topic = target
+            .template
+            .render(topic)
+            .map_err(|why| format!("event {id}: {why}"))?;
+        let key = match target.key {
+            Key::Subject => subject,
+            Key::Tenant => tenant,
+            Key::None => None,
+        };
+        let mut headers: Vec<(CString, Vec<u8>)> = Vec::with_capacity(10);
+        let mut header = |name: &str, value: &str| {
+            headers.push((cstring(name), value.as_bytes().to_vec()));
+        };
+        header("ce_specversion", "1.0");
+        header("ce_id", &id);
+        header("ce_source", &target.source);
+        header("ce_type", topic);
+        header("ce_time", time);
+        header("ce_position", position);
+        header("content-type", "application/json");
+        if let Some(s) = subject {
+            header("ce_subject", s);
+        }
+        if let Some(t) = tenant {
+            header("ce_tenant", t);
+        }
+        if let Some(own) = own.filter(|h| *h != "{}") {
+            let own: serde_json::Map<String, serde_json::Value> = serde_json::from_str(own)
+                .map_err(|e| format!("reading the headers of event {id}: {e}"))?;
+            for name in ["traceparent", "tracestate"] {
+                if let Some(serde_json::Value::String(v)) = own.get(name) {
+                    header(&format!("ce_{name}"), v);
                 }
             }
-            Ok(Message {
-                id,
-                topic: cstring(kafka_topic),
-                key: key.map(String::into_bytes),
-                value: text(e, "value").unwrap_or_default().into_bytes(),
-                headers: headers
-                    .into_iter()
-                    .map(|(k, v)| (cstring(k), v.into_bytes()))
-                    .collect(),
-            })
-        })
-        .collect()
+            // The event's own headers, under their names; none may pose as an attribute.
+            for (name, value) in &own {
+                if name.to_ascii_lowercase().starts_with("ce_")
+                    || name.eq_ignore_ascii_case("content-type")
+                {
+                    continue;
+                }
+                match value {
+                    serde_json::Value::String(s) => header(name, s),
+                    other => header(name, &other.to_string()),
+                }
+            }
+        }
+        messages.push(Message {
+            id,
+            topic: cstring(&kafka_topic),
+            key: key.map(|k| k.as_bytes().to_vec()),
+            value: value.as_bytes().to_vec(),
+            headers,
+        });
+    }
+    Ok(messages)
 }
 
 /// Sends a window: what a window's thread runs.
@@ -701,4 +718,83 @@ pub fn producer_properties(
         out.push((k.to_string(), v.to_string()));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A field as `http::kafka_frame` frames it.
+    fn framed(field: Option<&str>) -> String {
+        field.map_or("~".into(), |f| format!("{}:{f}", f.len()))
+    }
+
+    fn event(fields: [Option<&str>; 8]) -> String {
+        fields.iter().map(|f| framed(*f)).collect()
+    }
+
+    #[test]
+    fn framed_events_become_messages() {
+        let target = Target {
+            template: TopicTemplate::parse("shop.{topic}").unwrap(),
+            key: Key::parse("subject").unwrap(),
+            source: "/pg_outbox/app".into(),
+        };
+        let window = event([
+            Some("01a2-1"),
+            Some("991:257"),
+            Some("order.placed"),
+            Some("órder/61:~"),
+            None,
+            Some(r#"{"traceparent": "00-ab-cd-01", "ce_id": "forged", "n": 7}"#),
+            Some("2026-12-02T00:12:14.409713Z"),
+            Some(r#"{"order": 61, "note": "2:~"}"#),
+        ]) + &event([
+            Some("01a2-2"),
+            Some("991:258"),
+            Some("order.placed"),
+            None,
+            Some("t1"),
+            Some("{}"),
+            Some("2026-12-02T00:12:14.409713Z"),
+            Some("{}"),
+        ]);
+        let m = messages(&target, &window).unwrap();
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].id, "01a2-1");
+        assert_eq!(m[0].topic.to_str().unwrap(), "shop.order.placed");
+        assert_eq!(m[0].key.as_deref(), Some("órder/61:~".as_bytes()));
+        assert_eq!(m[0].value, br#"{"order": 61, "note": "2:~"}"#);
+        let headers = |m: &Message| -> Vec<(String, String)> {
+            m.headers
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.to_str().unwrap().to_string(),
+                        String::from_utf8(v.clone()).unwrap(),
+                    )
+                })
+                .collect()
+        };
+        let h = headers(&m[0]);
+        let get = |h: &[(String, String)], k: &str| -> Vec<String> {
+            h.iter()
+                .filter(|(name, _)| name == k)
+                .map(|(_, v)| v.clone())
+                .collect()
+        };
+        assert_eq!(get(&h, "ce_id"), ["01a2-1"], "no header poses as an attribute");
+        assert_eq!(get(&h, "ce_traceparent"), ["00-ab-cd-01"]);
+        assert_eq!(get(&h, "ce_subject"), ["órder/61:~"]);
+        assert_eq!(get(&h, "ce_position"), ["991:257"]);
+        assert_eq!(get(&h, "n"), ["7"]);
+        assert!(get(&h, "ce_tenant").is_empty());
+        let h = headers(&m[1]);
+        assert_eq!(m[1].key, None, "no subject, no key");
+        assert_eq!(get(&h, "ce_tenant"), ["t1"]);
+        // A frame cut short, or a length that does not fit, is an error, never a wrong message.
+        assert!(messages(&target, &window[..window.len() - 3]).is_err());
+        assert!(messages(&target, "6:01a2-1x").is_err());
+        assert!(messages(&target, "99:short").is_err());
+    }
 }

@@ -59,17 +59,6 @@ CREATE TABLE outbox.kafka_sinks (
     timeout_ms  integer NOT NULL CHECK (timeout_ms BETWEEN 1000 AND 600000)
 );
 
--- One event as a Kafka sink sends it (src/dispatch/kafka.rs makes the message): its attributes,
--- its own headers, and its payload as text, the message's value, exactly as PostgreSQL prints it
--- (no number rounded on the way).
-CREATE FUNCTION outbox._kafka_message(e outbox.event) RETURNS jsonb
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT jsonb_build_object('id', e.id, 'position', e.position, 'topic', e.topic, 'subject', e.subject,
-                              'tenant', e.tenant, 'headers', e.headers,
-                              'time', to_char(e.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
-                              'value', e.payload::text)
-$$;
-
 -- One event as an HTTP sink sends it: a CloudEvents 1.0 JSON object. Optional attributes that
 -- are NULL are left out (CloudEvents' rule); position and tenant are extension attributes, and
 -- the event's traceparent and tracestate headers (strings) become the attributes of the

@@ -95,7 +95,7 @@ enum Prepared {
     Unreadable(Box<(Sink, (usize, Option<Position>), String)>),
 }
 
-fn lease_and_read(id: &str) -> Prepared {
+fn lease_and_read(id: &str, after: Option<Position>) -> Prepared {
     Spi::connect(|client| {
         let key = client.select(
             "SELECT s.lease_key FROM outbox.sinks s \
@@ -190,7 +190,7 @@ fn lease_and_read(id: &str) -> Prepared {
                 }
             }
         };
-        let sink = Sink {
+        let mut sink = Sink {
             id: id.to_string(),
             lease_key,
             rewinds: r.get(10)?.expect("rewinds"),
@@ -213,6 +213,10 @@ fn lease_and_read(id: &str) -> Prepared {
         } else {
             "pg_catalog.jsonb_build_array(outbox._cloudevent(d.event))::text".into()
         };
+        if let Some(after) = after {
+            // A window chained behind those in flight: it reads on from the last of them.
+            sink.cursor = after;
+        }
         let replay = client.select(
             &format!(
                 "SELECT d.txid::text, d.seq, {body}, (d.event).id::text \
@@ -222,7 +226,7 @@ fn lease_and_read(id: &str) -> Prepared {
             Some(1),
             &[DatumWithOid::from(id)],
         )?;
-        if !replay.is_empty() {
+        if after.is_none() && !replay.is_empty() {
             let r = replay.first();
             let txid: String = r.get(1)?.expect("txid");
             let position = Position::new(txid.parse().expect("xid8"), r.get(2)?.expect("seq"));
@@ -824,8 +828,10 @@ fn fly(sink: &Sink, window: &Window, agents: &mut Agents) -> Flying {
             };
             let (target, body) = (target.clone(), window.body.clone().unwrap_or_default());
             let timeout = Duration::from_millis(sink.timeout_ms.max(1) as u64);
+            // Taken here, in the order the worker reads the windows: they produce in it.
+            let ticket = producer.ticket();
             spawn_without_signals(move || {
-                super::kafka::send_window(producer, &target, &body, timeout)
+                super::kafka::send_window(producer, ticket, &target, &body, timeout)
             })
         }
     }
@@ -848,7 +854,16 @@ pub struct InFlight {
     sink: Sink,
     purpose: Purpose,
     handle: Flying,
+    /// A window chained behind one that failed: its outcome is not recorded (the cursor stays
+    /// before it, and it is sent again).
+    pub discarded: bool,
 }
+
+/// Windows of one Kafka sink that fly at once, at most: they produce in order into one producer
+/// while the worker reads the next (see `InFlight::chain_after`).
+const CHAIN_WINDOWS: usize = 8;
+/// Events in the windows of one Kafka sink in flight at once, at most (one window, at least).
+const CHAIN_EVENTS: u32 = 4096;
 
 /// What a request in flight is for.
 enum Purpose {
@@ -880,6 +895,30 @@ impl InFlight {
         &self.sink.id
     }
 
+    /// Where a window chained behind this one reads from, if one may be: this is a healthy
+    /// Kafka sink's window (not a replay, a neighbour test, or a retry after a failure), and
+    /// `flying` windows of its sink fly (this one the newest) with room for one more. Windows of
+    /// an HTTP sink never chain: a request goes out only once the one before is answered.
+    pub fn chain_after(&self, flying: usize) -> Option<Position> {
+        let Purpose::Window {
+            window,
+            replay: None,
+        } = &self.purpose
+        else {
+            return None;
+        };
+        let sink = &self.sink;
+        let healthy = sink.is_kafka()
+            && !self.discarded
+            && sink.state.attempts == 0
+            && sink.transient == 0
+            && sink.state.batch >= sink.max_batch;
+        let room = flying < CHAIN_WINDOWS
+            && (flying as u32 + 1).saturating_mul(sink.max_batch)
+                <= CHAIN_EVENTS.max(sink.max_batch);
+        (healthy && room).then_some(window.last).flatten()
+    }
+
     pub fn is_finished(&self) -> bool {
         self.handle.done.load(std::sync::atomic::Ordering::Acquire)
     }
@@ -898,20 +937,27 @@ pub enum Started {
 
 /// First half of a pass: lease, read, and the request sent on its own thread. Several sinks'
 /// requests fly at once while the worker goes on (it serves SQL sinks meanwhile).
-pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
+/// `after`: the window is chained behind windows of the sink in flight (`InFlight::chain_after`),
+/// under their lease, which it leaves to them.
+pub fn start(id: &str, agents: &mut Agents, after: Option<Position>) -> Result<Started, Failure> {
     if !in_transaction(super::lock_tables)? {
         return Ok(Started::Done(PassResult::Skipped));
     }
-    let prepared = in_transaction(|| lease_and_read(id)).inspect_err(|_| {
+    let chained = after.is_some();
+    // The lease goes back with a window that does not fly, unless windows in flight hold it.
+    let release = |key: i32| if chained { Ok(()) } else { release(key) };
+    let prepared = in_transaction(|| lease_and_read(id, after)).inspect_err(|_| {
         // The lease may have been taken before the error: it survives the abort.
-        let _ = in_transaction(|| {
-            let key = crate::query::one::<i32>(
-                "SELECT s.lease_key FROM outbox.sinks s WHERE s.id OPERATOR(pg_catalog.=) $1",
-                &[DatumWithOid::from(id)],
-            );
-            if let Some(key) = key {
-                unlock(key);
-            }
+        let _ = (!chained).then(|| {
+            in_transaction(|| {
+                let key = crate::query::one::<i32>(
+                    "SELECT s.lease_key FROM outbox.sinks s WHERE s.id OPERATOR(pg_catalog.=) $1",
+                    &[DatumWithOid::from(id)],
+                );
+                if let Some(key) = key {
+                    unlock(key);
+                }
+            })
         });
     })?;
     let (sink, window, replay) = match prepared {
@@ -925,6 +971,9 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
             let (sink, position, window) = *replay;
             (sink, window, Some(position))
         }
+        // Chained windows only move on: one that cannot be read waits until the windows ahead
+        // are recorded, and goes through the failure policy then, unchained.
+        Prepared::Unreadable(_) if chained => return Ok(Started::Done(PassResult::Idle)),
         Prepared::Unreadable(unreadable) => {
             let (sink, (count, last), reason) = *unreadable;
             let window = Window {
@@ -956,14 +1005,15 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
         release(sink.lease_key)?;
         return Ok(Started::Done(PassResult::Idle));
     };
-    if sink.is_kafka() && !agents.warm_up(&sink) && crate::worker::not_alone() {
+    if !chained && sink.is_kafka() && !agents.warm_up(&sink) && crate::worker::not_alone() {
         // This worker's producer still waits for its producer id: another worker, whose
         // producer is ready, sends the window sooner. This one looks again soon.
         release(sink.lease_key)?;
         return Ok(Started::Done(PassResult::Contended));
     }
-    if window.body.is_none() {
-        // Nothing here for this sink's topics: move past the window.
+    if window.body.is_none() && !chained {
+        // Nothing here for this sink's topics: move past the window. (A chained window flies
+        // empty instead, so that the cursor passes it only after the windows ahead.)
         let full = window.count as u32 >= sink.state.batch;
         let saved = in_transaction(|| save_cursor(&sink, last));
         release(sink.lease_key)?;
@@ -975,12 +1025,13 @@ pub fn start(id: &str, agents: &mut Agents) -> Result<Started, Failure> {
         sink,
         purpose: Purpose::Window { window, replay },
         handle,
+        discarded: false,
     })))
 }
 
 /// Second half: take the response, record what it means, release the lease (unless the
-/// neighbour test goes out first).
-pub fn finish(flight: InFlight, agents: &mut Agents) -> Landed {
+/// neighbour test goes out first, or `keep_lease`: other windows of the sink still fly).
+pub fn finish(flight: InFlight, agents: &mut Agents, keep_lease: bool) -> Landed {
     let outcome = join(flight.handle);
     let sink = flight.sink;
     let result = match flight.purpose {
@@ -1003,7 +1054,11 @@ pub fn finish(flight: InFlight, agents: &mut Agents) -> Landed {
             reason,
         } => after_neighbour(&sink, state, lone, reason, Some((window, outcome))),
     };
-    let released = release(sink.lease_key);
+    let released = if keep_lease {
+        Ok(())
+    } else {
+        release(sink.lease_key)
+    };
     Landed::Recorded(result.and_then(|r| released.map(|()| r)))
 }
 
@@ -1221,6 +1276,7 @@ fn neighbour_test(
             reason,
         },
         handle,
+        discarded: false,
     })))
 }
 

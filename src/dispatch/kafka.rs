@@ -20,9 +20,10 @@
 use pg_outbox_core::http::Outcome;
 use pg_outbox_core::kafka::{self as rules, Key, TopicTemplate};
 use rdkafka_sys::bindings as rd;
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 // librdkafka's error codes, read as the C ints they are: a broker may send a code that
@@ -67,8 +68,14 @@ struct Context {
     /// `pg_outbox.kafka_allowed_brokers` when the producer was made: checked for every broker it
     /// connects to, those the cluster's metadata names too.
     allowed_brokers: String,
-    /// Delivery reports not yet taken: (message opaque, error).
-    reports: Mutex<Vec<(usize, c_int)>>,
+    /// Delivery reports not yet taken, by window: (message index, error). Several windows of one
+    /// sink may fly at once, each waited for on a thread of its own.
+    reports: Mutex<HashMap<u32, Vec<(usize, c_int)>>>,
+    /// Signalled when a report comes in, or when the thread polling for them stops.
+    reported: Condvar,
+    /// A thread is in `rd_kafka_poll` (delivery callbacks run there): the others wait on
+    /// `reported` meanwhile.
+    polling: std::sync::atomic::AtomicBool,
     /// The last connection `on_connect` refused, and why.
     refused: Mutex<Option<String>>,
 }
@@ -78,9 +85,14 @@ struct Context {
 pub struct Producer {
     rk: *mut rd::rd_kafka_t,
     context: *const Context,
-    /// Windows sent so far: a window's messages carry its number, so that late reports of an
-    /// earlier window that timed out are not taken for this one's.
+    /// Windows given a ticket so far: a window's messages carry its number, so that its reports
+    /// go to it (and late reports of an earlier window that timed out are not taken for its).
     windows: AtomicU32,
+    /// The last ticket whose messages are all produced (or that gave up its turn): windows produce
+    /// in the order of their tickets, each after the one before, so that a key's events reach its
+    /// partition in the order of the log while several windows fly.
+    produced: Mutex<u32>,
+    turn: Condvar,
     /// A window failed on it: it is not used again (see `send`).
     retired: std::sync::atomic::AtomicBool,
     /// When it was made, and whether the broker has acknowledged a message of it: see `warm`.
@@ -133,8 +145,12 @@ unsafe extern "C" fn on_delivery(
         )
     };
     if let Ok(mut reports) = context.reports.lock() {
-        reports.push((opaque, err));
+        reports
+            .entry((opaque >> 32) as u32)
+            .or_default()
+            .push((opaque & 0xffff_ffff, err));
     }
+    context.reported.notify_all();
 }
 
 /// Connect callback: runs on librdkafka's broker threads, for every connection it opens. Refuses
@@ -240,7 +256,9 @@ impl Producer {
         let context = Box::into_raw(Box::new(Context {
             allow,
             allowed_brokers: allowed_brokers.to_string(),
-            reports: Mutex::new(Vec::new()),
+            reports: Mutex::new(HashMap::new()),
+            reported: Condvar::new(),
+            polling: std::sync::atomic::AtomicBool::new(false),
             refused: Mutex::new(None),
         }));
         // SAFETY: a configuration object built and handed to rd_kafka_new, which owns it on
@@ -304,6 +322,8 @@ impl Producer {
                 rk,
                 context,
                 windows: AtomicU32::new(0),
+                produced: Mutex::new(0),
+                turn: Condvar::new(),
                 retired: std::sync::atomic::AtomicBool::new(false),
                 born: Instant::now(),
                 acknowledged: std::sync::atomic::AtomicBool::new(false),
@@ -352,13 +372,58 @@ impl Producer {
         })
     }
 
-    /// Sends `messages` and waits until every one is acknowledged or failed, or until
-    /// `timeout`. On a thread of the window's own. A window that is not delivered whole retires
-    /// the producer (purged, and replaced for the next window once it is gone): a message of it
-    /// still queued or in flight must not land after the messages the window is sent again with,
-    /// or one key's events could be seen out of order.
-    pub fn send(&self, messages: &[Message], timeout: Duration) -> Outcome {
-        let outcome = self.send_once(messages, timeout);
+    /// A window's place in the order of production: taken on the worker's thread, in the order
+    /// of the log, before the window's thread starts. Every ticket must reach `send`.
+    pub fn ticket(&self) -> u32 {
+        self.windows.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
+    }
+
+    /// Sends `messages` (or, when they could not be made, passes its turn and says why) and waits
+    /// until every one is acknowledged or failed, or until `timeout`. On a thread of the window's
+    /// own; the windows of one producer produce in the order of their tickets. A window that is
+    /// not delivered whole retires the producer (purged, and replaced for the next window once it
+    /// is gone): a message of it still queued or in flight must not land after the messages the
+    /// window is sent again with, or one key's events could be seen out of order; the windows
+    /// after it that have not produced yet do not, and fail.
+    pub fn send(
+        &self,
+        ticket: u32,
+        messages: Result<Vec<Message>, String>,
+        timeout: Duration,
+    ) -> Outcome {
+        let deadline = Instant::now() + timeout;
+        let produced = 'turn: {
+            let Some(_turn) = Turn::wait(self, ticket, deadline) else {
+                // The producer is retired below: should the window before produce after all, it
+                // fails, and both are sent again, in order, by the next producer.
+                break 'turn Err(Outcome::Transient {
+                    retry_after: None,
+                    reason: "the window before this one did not produce in time".into(),
+                });
+            };
+            let produced = match messages {
+                Err(reason) => Err(Outcome::Rejected { reason }),
+                Ok(_) if self.retired.load(Ordering::Acquire) => Err(Outcome::Transient {
+                    retry_after: None,
+                    reason: "a window before this one failed; it is sent again after it".into(),
+                }),
+                Ok(messages) => self
+                    .produce_all(ticket, &messages, deadline)
+                    .map(|()| messages),
+            };
+            if produced.is_err() {
+                // Before the turn passes: the windows after this one must not produce.
+                self.retired.store(true, Ordering::Release);
+            }
+            produced
+        };
+        let outcome = match produced {
+            Ok(messages) => self.acknowledged(ticket, &messages, deadline, timeout),
+            Err(outcome) => outcome,
+        };
+        if let Ok(mut reports) = self.context().reports.lock() {
+            reports.remove(&ticket);
+        }
         if !matches!(outcome, Outcome::Delivered) {
             self.retired.store(true, Ordering::Release);
             self.purge();
@@ -366,46 +431,70 @@ impl Producer {
         outcome
     }
 
-    fn send_once(&self, messages: &[Message], timeout: Duration) -> Outcome {
-        let window = self.windows.fetch_add(1, Ordering::Relaxed).wrapping_add(1) as usize;
-        let tag = |i: usize| (window << 32) | i;
-        self.context().reports.lock().map(|mut r| r.clear()).ok();
-        self.context().refused.lock().map(|mut r| *r = None).ok();
-        let deadline = Instant::now() + timeout;
+    /// Produces a window's messages, in order. Err: the outcome of the window, failed.
+    fn produce_all(
+        &self,
+        ticket: u32,
+        messages: &[Message],
+        deadline: Instant,
+    ) -> Result<(), Outcome> {
+        let tag = |i: usize| ((ticket as usize) << 32) | i;
         for (i, m) in messages.iter().enumerate() {
             loop {
                 match self.produce(m, tag(i)) {
                     Ok(()) => break,
                     // The producer's queue is full: let it drain.
                     Err(QUEUE_FULL) if Instant::now() < deadline => {
-                        // SAFETY: a valid handle.
-                        unsafe { rd::rd_kafka_poll(self.rk, 10) };
+                        self.poll(Duration::from_millis(10))
                     }
-                    Err(err) => return self.outcome_of(m, err),
+                    Err(err) => return Err(self.outcome_of(m, err)),
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Serves delivery reports for up to `wait`: in `rd_kafka_poll` if no other thread is, else
+    /// waiting for that thread to hand some out.
+    fn poll(&self, wait: Duration) {
+        let context = self.context();
+        if context
+            .polling
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            // SAFETY: a valid handle; delivery callbacks run here, on this thread.
+            unsafe { rd::rd_kafka_poll(self.rk, wait.as_millis().clamp(1, 100) as c_int) };
+            context.polling.store(false, Ordering::Release);
+            context.reported.notify_all();
+        } else if let Ok(reports) = context.reports.lock() {
+            let _ = context
+                .reported
+                .wait_timeout(reports, wait.min(Duration::from_millis(100)));
+        }
+    }
+
+    /// Waits for the reports of window `ticket`: Delivered when every message was acknowledged.
+    fn acknowledged(
+        &self,
+        ticket: u32,
+        messages: &[Message],
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Outcome {
         let mut done = vec![false; messages.len()];
         let mut left = messages.len();
         let mut failed: Option<(usize, c_int)> = None;
         while left > 0 {
-            let wait = deadline.saturating_duration_since(Instant::now());
-            if wait.is_zero() {
-                return Outcome::Transient {
-                    retry_after: None,
-                    reason: self.with_refusal(format!(
-                        "{left} of {} messages not acknowledged within {} ms",
-                        messages.len(),
-                        timeout.as_millis()
-                    )),
-                };
-            }
-            // SAFETY: a valid handle; delivery callbacks run here, on this thread.
-            unsafe { rd::rd_kafka_poll(self.rk, wait.as_millis().clamp(1, 100) as c_int) };
-            let reports = std::mem::take(&mut *self.context().reports.lock().expect("reports"));
-            for (opaque, err) in reports {
-                let (w, i) = (opaque >> 32, opaque & 0xffff_ffff);
-                if w != window || i >= done.len() || done[i] {
+            let reports = self
+                .context()
+                .reports
+                .lock()
+                .ok()
+                .and_then(|mut r| r.get_mut(&ticket).map(std::mem::take))
+                .unwrap_or_default();
+            for (i, err) in reports {
+                if i >= done.len() || done[i] {
                     continue;
                 }
                 done[i] = true;
@@ -421,6 +510,21 @@ impl Producer {
                     }
                 }
             }
+            if left == 0 {
+                break;
+            }
+            let wait = deadline.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                return Outcome::Transient {
+                    retry_after: None,
+                    reason: self.with_refusal(format!(
+                        "{left} of {} messages not acknowledged within {} ms",
+                        messages.len(),
+                        timeout.as_millis()
+                    )),
+                };
+            }
+            self.poll(wait);
         }
         match failed {
             None => {
@@ -542,6 +646,43 @@ impl Drop for Producer {
     }
 }
 
+/// A window's turn to produce: waited for in the order of tickets, passed on when dropped (on
+/// every path, a panic's too, so that the windows after it never wait forever).
+struct Turn<'a> {
+    producer: &'a Producer,
+    ticket: u32,
+}
+
+impl<'a> Turn<'a> {
+    /// None when the window before did not pass its turn by `deadline`.
+    fn wait(producer: &'a Producer, ticket: u32, deadline: Instant) -> Option<Turn<'a>> {
+        let mut produced = producer.produced.lock().unwrap_or_else(|e| e.into_inner());
+        while *produced != ticket.wrapping_sub(1) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            produced = producer
+                .turn
+                .wait_timeout(produced, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Some(Turn { producer, ticket })
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        *self
+            .producer
+            .produced
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = self.ticket;
+        self.producer.turn.notify_all();
+    }
+}
+
 /// One message, ready for the wire.
 pub struct Message {
     id: String,
@@ -654,17 +795,15 @@ pub fn messages(target: &Target, window: &str) -> Result<Vec<Message>, String> {
     Ok(messages)
 }
 
-/// Sends a window: what a window's thread runs.
+/// Sends a window: what a window's thread runs, with the ticket the worker took for it.
 pub fn send_window(
     producer: Arc<Producer>,
+    ticket: u32,
     target: &Target,
     window: &str,
     timeout: Duration,
 ) -> Outcome {
-    match messages(target, window) {
-        Ok(messages) => producer.send(&messages, timeout),
-        Err(reason) => Outcome::Rejected { reason },
-    }
+    producer.send(ticket, messages(target, window), timeout)
 }
 
 /// The database's name as `ce_source` carries it (`/pg_outbox/<name>`), as HTTP sinks do: any
@@ -783,7 +922,11 @@ mod tests {
                 .map(|(_, v)| v.clone())
                 .collect()
         };
-        assert_eq!(get(&h, "ce_id"), ["01a2-1"], "no header poses as an attribute");
+        assert_eq!(
+            get(&h, "ce_id"),
+            ["01a2-1"],
+            "no header poses as an attribute"
+        );
         assert_eq!(get(&h, "ce_traceparent"), ["00-ab-cd-01"]);
         assert_eq!(get(&h, "ce_subject"), ["órder/61:~"]);
         assert_eq!(get(&h, "ce_position"), ["991:257"]);

@@ -358,12 +358,22 @@ impl Worker {
                 break;
             }
             let result = if is_http {
-                // Its request from an earlier round is still on its way.
-                if self.in_flight.iter().any(|f| f.sink_id() == sink) {
-                    continue;
-                }
+                // Its windows from earlier rounds still on their way: a Kafka sink's next window
+                // may chain behind them, else the sink waits for them.
+                let flying: Vec<_> = self
+                    .in_flight
+                    .iter()
+                    .filter(|f| f.sink_id() == sink)
+                    .collect();
+                let after = match flying.last() {
+                    None => None,
+                    Some(newest) => match newest.chain_after(flying.len()) {
+                        Some(after) if flying.iter().all(|f| !f.discarded) => Some(after),
+                        _ => continue,
+                    },
+                };
                 activity(&format!("sink \"{sink}\": reading and sending a batch"));
-                match dispatch::http::start(&sink, &mut self.agents) {
+                match dispatch::http::start(&sink, &mut self.agents, after) {
                     Ok(dispatch::http::Started::InFlight(flight)) => {
                         self.in_flight.push(*flight);
                         continue;
@@ -622,15 +632,50 @@ impl Worker {
         &mut self,
         results: &mut Vec<(String, Result<PassResult, crate::transaction::Failure>)>,
     ) {
-        while let Some(i) = self.in_flight.iter().position(|f| f.is_finished()) {
-            let flight = self.in_flight.swap_remove(i);
+        // The windows of a sink are recorded in the order they were read (the oldest first); the
+        // sink's lease goes back with the last of them to land.
+        while let Some(i) = self.landed_head() {
+            let flight = self.in_flight.remove(i);
             let sink = flight.sink_id().to_string();
-            match dispatch::http::finish(flight, &mut self.agents) {
-                dispatch::http::Landed::Recorded(result) => results.push((sink, result)),
+            let behind = self.in_flight.iter().any(|f| f.sink_id() == sink);
+            if flight.discarded {
+                if !behind {
+                    dispatch::http::abandon(flight);
+                }
+                continue;
+            }
+            match dispatch::http::finish(flight, &mut self.agents, behind) {
+                dispatch::http::Landed::Recorded(result) => {
+                    if !matches!(result, Ok(PassResult::Delivered { .. })) {
+                        // The windows behind a failed one are sent again after it: none of
+                        // their outcomes counts.
+                        self.in_flight
+                            .iter_mut()
+                            .filter(|f| f.sink_id() == sink)
+                            .for_each(|f| f.discarded = true);
+                    }
+                    results.push((sink, result));
+                }
                 // The neighbour test flies on its own, like any request.
-                dispatch::http::Landed::Next(next) => self.in_flight.push(*next),
+                dispatch::http::Landed::Next(next) => {
+                    self.in_flight
+                        .iter_mut()
+                        .filter(|f| f.sink_id() == sink)
+                        .for_each(|f| f.discarded = true);
+                    self.in_flight.push(*next);
+                }
             }
         }
+    }
+
+    /// A flight that landed and may be recorded now: the oldest of its sink's.
+    fn landed_head(&self) -> Option<usize> {
+        self.in_flight.iter().enumerate().position(|(i, f)| {
+            f.is_finished()
+                && !self.in_flight[..i]
+                    .iter()
+                    .any(|older| older.sink_id() == f.sink_id())
+        })
     }
 
     /// Stopping: the requests in flight are left to themselves and their leases given back; the
@@ -646,7 +691,7 @@ impl Worker {
         }
         let start = Instant::now();
         loop {
-            if self.in_flight.iter().any(|f| f.is_finished()) {
+            if self.landed_head().is_some() {
                 return true;
             }
             let left = timeout.saturating_sub(start.elapsed());

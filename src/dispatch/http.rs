@@ -95,7 +95,23 @@ enum Prepared {
     Unreadable(Box<(Sink, (usize, Option<Position>), String)>),
 }
 
-fn lease_and_read(id: &str, after: Option<Position>) -> Prepared {
+/// A window chained behind the windows of a Kafka sink in flight (`InFlight::chain_after`): it
+/// reads on from the last of them, under their lease, into their producer.
+pub struct Chain {
+    after: Position,
+    lease_key: i32,
+    rewinds: i64,
+    producer: std::sync::Arc<super::kafka::Producer>,
+}
+
+fn lease_and_read(id: &str, chain: Option<&Chain>) -> Prepared {
+    let after = chain.map(|c| c.after);
+    // The lease goes back when no window flies, and stays with the windows in flight else.
+    let unlock = |key: i32| {
+        if chain.is_none() {
+            unlock(key)
+        }
+    };
     Spi::connect(|client| {
         let key = client.select(
             "SELECT s.lease_key FROM outbox.sinks s \
@@ -107,6 +123,10 @@ fn lease_and_read(id: &str, after: Option<Position>) -> Prepared {
             return Ok(Prepared::Absent);
         }
         let lease_key = key.first().get_one::<i32>()?.expect("lease_key is NOT NULL");
+        if chain.is_some_and(|c| c.lease_key != lease_key) {
+            // Dropped and made again meanwhile: the windows in flight belong to the old one.
+            return Ok(Prepared::Absent);
+        }
         if !crate::worker::try_http_lease(lease_key) {
             return Ok(Prepared::Contended);
         }
@@ -213,9 +233,14 @@ fn lease_and_read(id: &str, after: Option<Position>) -> Prepared {
         } else {
             "pg_catalog.jsonb_build_array(outbox._cloudevent(d.event))::text".into()
         };
-        if let Some(after) = after {
-            // A window chained behind those in flight: it reads on from the last of them.
-            sink.cursor = after;
+        if let Some(chain) = chain {
+            if chain.rewinds != sink.rewinds {
+                // Rewound meanwhile: the windows in flight are not recorded, and this one reads
+                // from the rewound cursor once they have landed.
+                return Ok(Prepared::Absent);
+            }
+            // It reads on from the last of the windows in flight.
+            sink.cursor = chain.after;
         }
         let replay = client.select(
             &format!(
@@ -226,7 +251,11 @@ fn lease_and_read(id: &str, after: Option<Position>) -> Prepared {
             Some(1),
             &[DatumWithOid::from(id)],
         )?;
-        if after.is_none() && !replay.is_empty() {
+        if after.is_some() && !replay.is_empty() {
+            // A replay waits for the windows in flight: the chain grows no more, so it drains.
+            return Ok(Prepared::Absent);
+        }
+        if !replay.is_empty() {
             let r = replay.first();
             let txid: String = r.get(1)?.expect("txid");
             let position = Position::new(txid.parse().expect("xid8"), r.get(2)?.expect("seq"));
@@ -600,6 +629,22 @@ fn failure(reason: &str) -> Failure {
     }
 }
 
+/// A producer being destroyed: gone once the thread that drops it is done and no window still
+/// holds it (windows discarded behind a failed one may, for moments), so that its destruction
+/// (`rd_kafka_destroy`, which waits for every message it held) is over.
+struct Closing {
+    /// Holds the agents' reference until it is dropped, off the worker's thread.
+    _thread: Flying,
+    /// Set when the producer's destruction is over (`kafka::Producer::destroyed`).
+    gone: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Closing {
+    fn landed(&self) -> bool {
+        self.gone.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
 /// Agents by sink and configuration, kept between passes for keep-alive connections, and dropped
 /// (with their connections) once unused for `AGENT_IDLE`: a dropped sink's, or one whose
 /// configuration changed.
@@ -610,7 +655,7 @@ pub struct Agents {
     kafka: HashMap<String, KeptProducer>,
     /// Producers being destroyed on threads of their own, by sink: a sink gets a new producer
     /// only once its previous one is gone (with every message it still held).
-    closing: HashMap<String, Flying>,
+    closing: HashMap<String, Closing>,
 }
 
 type KeptProducer = (
@@ -714,6 +759,22 @@ impl Agents {
         Ok(producer)
     }
 
+    /// Whether `producer` is the one this worker keeps for `sink` (not replaced since); if so,
+    /// it counts as used now (a producer that windows chain into is never idle).
+    fn use_current(
+        &mut self,
+        sink: &str,
+        producer: &std::sync::Arc<super::kafka::Producer>,
+    ) -> bool {
+        match self.kafka.get_mut(sink) {
+            Some((kept, _, used)) if std::sync::Arc::ptr_eq(kept, producer) => {
+                *used = std::time::Instant::now();
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Makes the producer of a Kafka sink ahead of its first window, unless one exists or the
     /// previous one is still closing: an idempotent producer sends nothing until the broker gave
     /// it a producer id, which takes up to a second (`kafka::WARM_AFTER`), so a worker makes it
@@ -740,11 +801,18 @@ impl Agents {
     fn close(&mut self, sink: &str, producer: std::sync::Arc<super::kafka::Producer>) {
         producer.purge();
         self.closing.retain(|_, c| !c.landed());
-        let closing = spawn_without_signals(move || {
+        let gone = producer.destroyed();
+        let thread = spawn_without_signals(move || {
             drop(producer);
             Outcome::Delivered
         });
-        self.closing.insert(sink.to_string(), closing);
+        self.closing.insert(
+            sink.to_string(),
+            Closing {
+                _thread: thread,
+                gone,
+            },
+        );
     }
 
     /// Closes every producer, and waits up to `bound` for them to be gone (the worker exits).
@@ -782,7 +850,11 @@ impl Agents {
 /// Sends `window` on a thread of its own: the POST of an HTTP sink, or a Kafka sink's messages.
 /// The destination is checked against the settings as they are now (they may have changed since
 /// the sink was created): one that is no longer allowed fails the pass, saying why.
-fn fly(sink: &Sink, window: &Window, agents: &mut Agents) -> Flying {
+fn fly(
+    sink: &Sink,
+    window: &Window,
+    agents: &mut Agents,
+) -> (Flying, Option<std::sync::Arc<super::kafka::Producer>>) {
     match &sink.transport {
         Transport::Http {
             url,
@@ -795,10 +867,11 @@ fn fly(sink: &Sink, window: &Window, agents: &mut Agents) -> Flying {
                     http::check_host(&u, &settings::http_allowed_hosts()).map_err(|e| e.message)
                 });
             if let Err(why) = allowed {
-                return spawn_without_signals(move || Outcome::Transient {
+                let handle = spawn_without_signals(move || Outcome::Transient {
                     retry_after: None,
                     reason: why,
                 });
+                return (handle, None);
             }
             let request = Request {
                 url: url.clone(),
@@ -808,33 +881,43 @@ fn fly(sink: &Sink, window: &Window, agents: &mut Agents) -> Flying {
                 body: window.body.clone().unwrap_or_default(),
             };
             let max_response = settings::HTTP_MAX_RESPONSE_BYTES.get().max(0) as u64;
-            spawn(agents.get(sink), request, max_response)
+            (spawn(agents.get(sink), request, max_response), None)
         }
-        Transport::Kafka {
-            brokers, target, ..
-        } => {
+        Transport::Kafka { brokers, .. } => {
             let producer =
                 pg_outbox_core::kafka::parse_brokers(brokers, &settings::kafka_allowed_brokers())
                     .map_err(|e| e.message)
                     .and_then(|_| agents.producer(sink));
-            let producer = match producer {
-                Ok(producer) => producer,
+            match producer {
+                Ok(producer) => (fly_kafka(sink, window, producer.clone()), Some(producer)),
                 Err(why) => {
-                    return spawn_without_signals(move || Outcome::Transient {
+                    let handle = spawn_without_signals(move || Outcome::Transient {
                         retry_after: None,
                         reason: why,
-                    })
+                    });
+                    (handle, None)
                 }
-            };
-            let (target, body) = (target.clone(), window.body.clone().unwrap_or_default());
-            let timeout = Duration::from_millis(sink.timeout_ms.max(1) as u64);
-            // Taken here, in the order the worker reads the windows: they produce in it.
-            let ticket = producer.ticket();
-            spawn_without_signals(move || {
-                super::kafka::send_window(producer, ticket, &target, &body, timeout)
-            })
+            }
         }
     }
+}
+
+/// Sends a Kafka sink's window into `producer` on a thread of its own.
+fn fly_kafka(
+    sink: &Sink,
+    window: &Window,
+    producer: std::sync::Arc<super::kafka::Producer>,
+) -> Flying {
+    let Transport::Kafka { target, .. } = &sink.transport else {
+        unreachable!("a Kafka sink's window");
+    };
+    let (target, body) = (target.clone(), window.body.clone().unwrap_or_default());
+    let timeout = Duration::from_millis(sink.timeout_ms.max(1) as u64);
+    // Taken here, in the order the worker reads the windows: they produce in it.
+    let ticket = producer.ticket();
+    spawn_without_signals(move || {
+        super::kafka::send_window(producer, ticket, &target, &body, timeout)
+    })
 }
 
 /// Releases a sink's lease (it outlives transactions, so it is released explicitly; a worker
@@ -856,7 +939,10 @@ pub struct InFlight {
     handle: Flying,
     /// A window chained behind one that failed: its outcome is not recorded (the cursor stays
     /// before it, and it is sent again).
-    pub discarded: bool,
+    discarded: bool,
+    /// The producer a Kafka sink's window went into: the windows chained behind it go into the
+    /// same one, or none is chained.
+    producer: Option<std::sync::Arc<super::kafka::Producer>>,
 }
 
 /// Windows of one Kafka sink that fly at once, at most: they produce in order into one producer
@@ -895,11 +981,16 @@ impl InFlight {
         &self.sink.id
     }
 
-    /// Where a window chained behind this one reads from, if one may be: this is a healthy
-    /// Kafka sink's window (not a replay, a neighbour test, or a retry after a failure), and
-    /// `flying` windows of its sink fly (this one the newest) with room for one more. Windows of
-    /// an HTTP sink never chain: a request goes out only once the one before is answered.
-    pub fn chain_after(&self, flying: usize) -> Option<Position> {
+    pub fn discarded(&self) -> bool {
+        self.discarded
+    }
+
+    /// The chain a window behind this one joins, if one may: this is a healthy Kafka sink's
+    /// window (not a replay, a neighbour test, or a retry after a failure), `flying` windows of
+    /// its sink fly (this one the newest) with room for one more, and its producer is still the
+    /// sink's, not retired. Windows of an HTTP sink never chain: a request goes out only once the
+    /// one before is answered.
+    pub fn chain(&self, flying: usize, agents: &mut Agents) -> Option<Chain> {
         let Purpose::Window {
             window,
             replay: None,
@@ -916,11 +1007,30 @@ impl InFlight {
         let room = flying < CHAIN_WINDOWS
             && (flying as u32 + 1).saturating_mul(sink.max_batch)
                 <= CHAIN_EVENTS.max(sink.max_batch);
-        (healthy && room).then_some(window.last).flatten()
+        let producer = self
+            .producer
+            .as_ref()
+            .filter(|p| !p.spent() && agents.use_current(&sink.id, p))?;
+        if !(healthy && room) {
+            return None;
+        }
+        Some(Chain {
+            after: window.last?,
+            lease_key: sink.lease_key,
+            rewinds: sink.rewinds,
+            producer: producer.clone(),
+        })
     }
 
     pub fn is_finished(&self) -> bool {
-        self.handle.done.load(std::sync::atomic::Ordering::Acquire)
+        self.handle.landed()
+    }
+
+    /// Its outcome will not be recorded (a window ahead of it failed); it lets go of its
+    /// producer, so that the producer is destroyed as soon as its thread is done with it.
+    pub fn discard(&mut self) {
+        self.discarded = true;
+        self.producer = None;
     }
 }
 
@@ -939,14 +1049,14 @@ pub enum Started {
 /// requests fly at once while the worker goes on (it serves SQL sinks meanwhile).
 /// `after`: the window is chained behind windows of the sink in flight (`InFlight::chain_after`),
 /// under their lease, which it leaves to them.
-pub fn start(id: &str, agents: &mut Agents, after: Option<Position>) -> Result<Started, Failure> {
+pub fn start(id: &str, agents: &mut Agents, chain: Option<Chain>) -> Result<Started, Failure> {
     if !in_transaction(super::lock_tables)? {
         return Ok(Started::Done(PassResult::Skipped));
     }
-    let chained = after.is_some();
+    let chained = chain.is_some();
     // The lease goes back with a window that does not fly, unless windows in flight hold it.
     let release = |key: i32| if chained { Ok(()) } else { release(key) };
-    let prepared = in_transaction(|| lease_and_read(id, after)).inspect_err(|_| {
+    let prepared = in_transaction(|| lease_and_read(id, chain.as_ref())).inspect_err(|_| {
         // The lease may have been taken before the error: it survives the abort.
         let _ = (!chained).then(|| {
             in_transaction(|| {
@@ -1001,7 +1111,9 @@ pub fn start(id: &str, agents: &mut Agents, after: Option<Position>) -> Result<S
     };
     let Some(last) = window.last else {
         // Nothing to send: a Kafka sink's producer gets ready meanwhile (see Agents::warm_up).
-        agents.warm_up(&sink);
+        if !chained {
+            agents.warm_up(&sink);
+        }
         release(sink.lease_key)?;
         return Ok(Started::Done(PassResult::Idle));
     };
@@ -1020,21 +1132,40 @@ pub fn start(id: &str, agents: &mut Agents, after: Option<Position>) -> Result<S
         saved?;
         return Ok(Started::Done(PassResult::Delivered { events: 0, full }));
     }
-    let handle = fly(&sink, &window, agents);
+    let (handle, producer) = match chain {
+        // Nothing of it for this sink's topics: recorded as delivered once the windows ahead are,
+        // so that the cursor passes it then.
+        Some(_) if window.body.is_none() => (spawn_without_signals(|| Outcome::Delivered), None),
+        Some(chain) => {
+            let handle = fly_kafka(&sink, &window, chain.producer.clone());
+            (handle, Some(chain.producer))
+        }
+        None => fly(&sink, &window, agents),
+    };
     Ok(Started::InFlight(Box::new(InFlight {
         sink,
         purpose: Purpose::Window { window, replay },
         handle,
         discarded: false,
+        producer,
     })))
 }
 
 /// Second half: take the response, record what it means, release the lease (unless the
 /// neighbour test goes out first, or `keep_lease`: other windows of the sink still fly).
 pub fn finish(flight: InFlight, agents: &mut Agents, keep_lease: bool) -> Landed {
-    let outcome = join(flight.handle);
-    let sink = flight.sink;
-    let result = match flight.purpose {
+    let InFlight {
+        sink,
+        purpose,
+        handle,
+        producer,
+        ..
+    } = flight;
+    // Let go of the producer first: after a failure it is replaced (and a new one is made only
+    // once the old one is gone) for the next request, the neighbour test's say.
+    drop(producer);
+    let outcome = join(handle);
+    let result = match purpose {
         Purpose::Window {
             replay: Some(position),
             ..
@@ -1266,7 +1397,7 @@ fn neighbour_test(
     let Some(window) = window else {
         return after_neighbour(sink, state, lone, reason, None).map(Step::Done);
     };
-    let handle = fly(sink, &window, agents);
+    let (handle, producer) = fly(sink, &window, agents);
     Ok(Step::Neighbour(Box::new(InFlight {
         sink: sink.clone(),
         purpose: Purpose::Neighbour {
@@ -1277,6 +1408,7 @@ fn neighbour_test(
         },
         handle,
         discarded: false,
+        producer,
     })))
 }
 

@@ -98,6 +98,8 @@ pub struct Producer {
     /// When it was made, and whether the broker has acknowledged a message of it: see `warm`.
     born: Instant,
     acknowledged: std::sync::atomic::AtomicBool,
+    /// Set once it is destroyed, every message it held gone (see `destroyed`).
+    destroyed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How long an idempotent producer takes, at most, to be ready to send: librdkafka asks the broker
@@ -327,6 +329,7 @@ impl Producer {
                 retired: std::sync::atomic::AtomicBool::new(false),
                 born: Instant::now(),
                 acknowledged: std::sync::atomic::AtomicBool::new(false),
+                destroyed: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             })
         }
     }
@@ -340,6 +343,12 @@ impl Producer {
     /// message of it, or it is older than [`WARM_AFTER`].
     pub fn warm(&self) -> bool {
         self.acknowledged.load(Ordering::Acquire) || self.born.elapsed() >= WARM_AFTER
+    }
+
+    /// Set once the last reference is dropped and `rd_kafka_destroy` returned (whichever thread
+    /// dropped it: a window's, discarded, may hold it after the worker let it go).
+    pub fn destroyed(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.destroyed.clone()
     }
 
     /// Whether it must be replaced: a window failed on it, or it has a fatal error.
@@ -440,12 +449,19 @@ impl Producer {
     ) -> Result<(), Outcome> {
         let tag = |i: usize| ((ticket as usize) << 32) | i;
         for (i, m) in messages.iter().enumerate() {
+            if self.retired.load(Ordering::Acquire) {
+                // A window ahead failed while this one waited for room in the queue.
+                return Err(Outcome::Transient {
+                    retry_after: None,
+                    reason: "a window before this one failed; it is sent again after it".into(),
+                });
+            }
             loop {
                 match self.produce(m, tag(i)) {
                     Ok(()) => break,
                     // The producer's queue is full: let it drain.
                     Err(QUEUE_FULL) if Instant::now() < deadline => {
-                        self.poll(Duration::from_millis(10))
+                        self.poll(ticket, Duration::from_millis(10))
                     }
                     Err(err) => return Err(self.outcome_of(m, err)),
                 }
@@ -455,8 +471,10 @@ impl Producer {
     }
 
     /// Serves delivery reports for up to `wait`: in `rd_kafka_poll` if no other thread is, else
-    /// waiting for that thread to hand some out.
-    fn poll(&self, wait: Duration) {
+    /// waiting for that thread to hand some out (or to stop polling). Whatever changes what a
+    /// waiter looks at (a report, the end of a poll) changes it under the `reports` lock and then
+    /// signals, so no wakeup is lost.
+    fn poll(&self, ticket: u32, wait: Duration) {
         let context = self.context();
         if context
             .polling
@@ -465,9 +483,15 @@ impl Producer {
         {
             // SAFETY: a valid handle; delivery callbacks run here, on this thread.
             unsafe { rd::rd_kafka_poll(self.rk, wait.as_millis().clamp(1, 100) as c_int) };
+            let held = context.reports.lock();
             context.polling.store(false, Ordering::Release);
+            drop(held);
             context.reported.notify_all();
         } else if let Ok(reports) = context.reports.lock() {
+            let mine = reports.get(&ticket).is_some_and(|r| !r.is_empty());
+            if mine || !context.polling.load(Ordering::Acquire) {
+                return;
+            }
             let _ = context
                 .reported
                 .wait_timeout(reports, wait.min(Duration::from_millis(100)));
@@ -524,7 +548,7 @@ impl Producer {
                     )),
                 };
             }
-            self.poll(wait);
+            self.poll(ticket, wait);
         }
         match failed {
             None => {
@@ -643,6 +667,7 @@ impl Drop for Producer {
             rd::rd_kafka_destroy(self.rk);
             drop(Box::from_raw(self.context as *mut Context));
         }
+        self.destroyed.store(true, Ordering::Release);
     }
 }
 

@@ -365,15 +365,15 @@ impl Worker {
                     .iter()
                     .filter(|f| f.sink_id() == sink)
                     .collect();
-                let after = match flying.last() {
+                let chain = match flying.last() {
                     None => None,
-                    Some(newest) => match newest.chain_after(flying.len()) {
-                        Some(after) if flying.iter().all(|f| !f.discarded) => Some(after),
+                    Some(newest) => match newest.chain(flying.len(), &mut self.agents) {
+                        Some(chain) if flying.iter().all(|f| !f.discarded()) => Some(chain),
                         _ => continue,
                     },
                 };
                 activity(&format!("sink \"{sink}\": reading and sending a batch"));
-                match dispatch::http::start(&sink, &mut self.agents, after) {
+                match dispatch::http::start(&sink, &mut self.agents, chain) {
                     Ok(dispatch::http::Started::InFlight(flight)) => {
                         self.in_flight.push(*flight);
                         continue;
@@ -638,7 +638,7 @@ impl Worker {
             let flight = self.in_flight.remove(i);
             let sink = flight.sink_id().to_string();
             let behind = self.in_flight.iter().any(|f| f.sink_id() == sink);
-            if flight.discarded {
+            if flight.discarded() {
                 if !behind {
                     dispatch::http::abandon(flight);
                 }
@@ -652,7 +652,7 @@ impl Worker {
                         self.in_flight
                             .iter_mut()
                             .filter(|f| f.sink_id() == sink)
-                            .for_each(|f| f.discarded = true);
+                            .for_each(|f| f.discard());
                     }
                     results.push((sink, result));
                 }
@@ -661,7 +661,7 @@ impl Worker {
                     self.in_flight
                         .iter_mut()
                         .filter(|f| f.sink_id() == sink)
-                        .for_each(|f| f.discarded = true);
+                        .for_each(|f| f.discard());
                     self.in_flight.push(*next);
                 }
             }

@@ -444,3 +444,52 @@ fn a_worker_killed_between_produce_and_acknowledgement_loses_nothing() {
         .get(0);
     assert_eq!(dead, 0);
 }
+
+#[test]
+fn a_rewind_while_windows_fly_sends_everything_again_in_order() {
+    let db = worker_db("kafka_rewind");
+    db.cluster().set("pg_outbox.kafka_allow_private", "on");
+    let broker = Broker::start("rewind");
+    broker.topic("again", 1, &[]);
+    let mut c = db.connect();
+    // Windows of 4, chained 8 deep: the rewind comes while windows fly.
+    c.batch_execute(&format!(
+        "SELECT outbox.create_kafka_sink('again', '{}', 'again', batch_size => 4);
+         SELECT outbox.raise('t', jsonb_build_object('n', n), subject => 'k') FROM generate_series(1, 2000) n;",
+        broker.address()
+    ))
+    .unwrap();
+    eventually("the first windows", Duration::from_secs(60), || {
+        let delivered: i64 = c
+            .query_one("SELECT delivered FROM outbox.sinks WHERE id = 'again'", &[])
+            .unwrap()
+            .get(0);
+        (delivered >= 100).then_some(())
+    });
+    c.batch_execute("SELECT outbox.rewind('again', '0:0')")
+        .unwrap();
+    eventually("the sink to catch up", Duration::from_secs(120), || {
+        let behind: i64 = c
+            .query_one(
+                "SELECT events_behind FROM outbox.status() WHERE name = 'again'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        (behind == 0).then_some(())
+    });
+    let mut records = broker.consume("again", 2000, Duration::from_secs(60));
+    records.sort_by_key(|r| r.offset);
+    let ns: Vec<i64> = records
+        .iter()
+        .map(|r| {
+            serde_json::from_str::<serde_json::Value>(&r.value).unwrap()["n"]
+                .as_i64()
+                .unwrap()
+        })
+        .collect();
+    // From the origin again: after the last copy of the first event, every event, in order.
+    let again = ns.iter().rposition(|n| *n == 1).expect("the first event");
+    assert!(again > 0, "sent again from the origin");
+    assert_eq!(ns[again..], (1..=2000).collect::<Vec<i64>>()[..]);
+}

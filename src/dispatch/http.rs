@@ -112,6 +112,9 @@ fn lease_and_read(id: &str, chain: Option<&Chain>) -> Prepared {
             unlock(key)
         }
     };
+    if !super::lock_tables() {
+        return Prepared::Absent;
+    }
     Spi::connect(|client| {
         let key = client.select(
             "SELECT s.lease_key FROM outbox.sinks s \
@@ -433,6 +436,10 @@ fn join(flying: Flying) -> Outcome {
 struct Flying {
     handle: std::thread::JoinHandle<Outcome>,
     done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Whether its landing sets the worker's latch: a window chained behind others of its sink
+    /// cannot be recorded before them, so it wakes nobody until it is the oldest (see
+    /// `InFlight::wake_when_landed`).
+    wake: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Flying {
@@ -510,21 +517,32 @@ fn spawn(agent: ureq::Agent, req: Request, max_response: u64) -> Flying {
 /// (SIGTERM, SIGALRM for timeouts, SIGUSR1, ...) touch the backend's state and must run on its
 /// own thread, which a signal sent to the process could otherwise miss.
 fn spawn_without_signals<F: FnOnce() -> Outcome + Send + 'static>(work: F) -> Flying {
-    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    spawn_waking(work, true)
+}
+
+/// [`spawn_without_signals`], waking the worker when it lands only if `wake` (then or since).
+fn spawn_waking<F: FnOnce() -> Outcome + Send + 'static>(work: F, wake: bool) -> Flying {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let wake = std::sync::Arc::new(AtomicBool::new(wake));
     let latch = crate::worker::OwnLatch::current();
     /// Set when the thread's work is over, however it ended (a panic too: the flight is then
-    /// recorded as a failed request instead of holding its lease for ever).
+    /// recorded as a failed request instead of holding its lease for ever). Done, then the wake
+    /// flag read (the worker sets the flag, then reads done: one of the two sees the other).
     struct Landed(
-        std::sync::Arc<std::sync::atomic::AtomicBool>,
+        std::sync::Arc<AtomicBool>,
+        std::sync::Arc<AtomicBool>,
         crate::worker::OwnLatch,
     );
     impl Drop for Landed {
         fn drop(&mut self) {
-            self.0.store(true, std::sync::atomic::Ordering::Release);
-            self.1.wake_from_thread();
+            self.0.store(true, SeqCst);
+            if self.1.load(SeqCst) {
+                self.2.wake_from_thread();
+            }
         }
     }
-    let landed = Landed(done.clone(), latch);
+    let landed = Landed(done.clone(), wake.clone(), latch);
     let work = move || {
         let _landed = landed;
         work()
@@ -540,7 +558,7 @@ fn spawn_without_signals<F: FnOnce() -> Outcome + Send + 'static>(work: F) -> Fl
         libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
         handle
     };
-    Flying { handle, done }
+    Flying { handle, done, wake }
 }
 
 fn kind_of(e: &ureq::Error) -> String {
@@ -889,7 +907,10 @@ fn fly(
                     .map_err(|e| e.message)
                     .and_then(|_| agents.producer(sink));
             match producer {
-                Ok(producer) => (fly_kafka(sink, window, producer.clone()), Some(producer)),
+                Ok(producer) => (
+                    fly_kafka(sink, window, producer.clone(), true),
+                    Some(producer),
+                ),
                 Err(why) => {
                     let handle = spawn_without_signals(move || Outcome::Transient {
                         retry_after: None,
@@ -902,11 +923,12 @@ fn fly(
     }
 }
 
-/// Sends a Kafka sink's window into `producer` on a thread of its own.
+/// Sends a Kafka sink's window into `producer` on a thread of its own (`wake`: see `Flying`).
 fn fly_kafka(
     sink: &Sink,
     window: &Window,
     producer: std::sync::Arc<super::kafka::Producer>,
+    wake: bool,
 ) -> Flying {
     let Transport::Kafka { target, .. } = &sink.transport else {
         unreachable!("a Kafka sink's window");
@@ -915,9 +937,10 @@ fn fly_kafka(
     let timeout = Duration::from_millis(sink.timeout_ms.max(1) as u64);
     // Taken here, in the order the worker reads the windows: they produce in it.
     let ticket = producer.ticket();
-    spawn_without_signals(move || {
-        super::kafka::send_window(producer, ticket, &target, &body, timeout)
-    })
+    spawn_waking(
+        move || super::kafka::send_window(producer, ticket, &target, &body, timeout),
+        wake,
+    )
 }
 
 /// Releases a sink's lease (it outlives transactions, so it is released explicitly; a worker
@@ -1026,6 +1049,14 @@ impl InFlight {
         self.handle.landed()
     }
 
+    /// From now on its landing wakes the worker (it is the oldest of its sink's windows, which
+    /// the worker waits for). Then check `is_finished`: it may have landed already.
+    pub fn wake_when_landed(&self) {
+        self.handle
+            .wake
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Its outcome will not be recorded (a window ahead of it failed); it lets go of its
     /// producer, so that the producer is destroyed as soon as its thread is done with it.
     pub fn discard(&mut self) {
@@ -1050,9 +1081,6 @@ pub enum Started {
 /// `after`: the window is chained behind windows of the sink in flight (`InFlight::chain_after`),
 /// under their lease, which it leaves to them.
 pub fn start(id: &str, agents: &mut Agents, chain: Option<Chain>) -> Result<Started, Failure> {
-    if !in_transaction(super::lock_tables)? {
-        return Ok(Started::Done(PassResult::Skipped));
-    }
     let chained = chain.is_some();
     // The lease goes back with a window that does not fly, unless windows in flight hold it.
     let release = |key: i32| if chained { Ok(()) } else { release(key) };
@@ -1135,9 +1163,9 @@ pub fn start(id: &str, agents: &mut Agents, chain: Option<Chain>) -> Result<Star
     let (handle, producer) = match chain {
         // Nothing of it for this sink's topics: recorded as delivered once the windows ahead are,
         // so that the cursor passes it then.
-        Some(_) if window.body.is_none() => (spawn_without_signals(|| Outcome::Delivered), None),
+        Some(_) if window.body.is_none() => (spawn_waking(|| Outcome::Delivered, false), None),
         Some(chain) => {
-            let handle = fly_kafka(&sink, &window, chain.producer.clone());
+            let handle = fly_kafka(&sink, &window, chain.producer.clone(), false);
             (handle, Some(chain.producer))
         }
         None => fly(&sink, &window, agents),

@@ -689,6 +689,16 @@ impl Worker {
         if self.in_flight.is_empty() || timeout.is_zero() {
             return wait(timeout);
         }
+        // The oldest window of each sink is the one to record next: its landing wakes the
+        // worker (the windows chained behind it land without waking anybody).
+        for (i, f) in self.in_flight.iter().enumerate() {
+            if !self.in_flight[..i]
+                .iter()
+                .any(|older| older.sink_id() == f.sink_id())
+            {
+                f.wake_when_landed();
+            }
+        }
         let start = Instant::now();
         loop {
             if self.landed_head().is_some() {

@@ -28,6 +28,16 @@ fn first_of_each(records: &[Record]) -> Vec<Record> {
     out
 }
 
+/// The last error `outbox.status()` shows for sink `name`, as the connected role sees it.
+fn last_error(c: &mut pg_outbox_tests::postgres::Client, name: &str) -> Option<String> {
+    c.query_one(
+        "SELECT last_error FROM outbox.status() WHERE name = $1",
+        &[&name],
+    )
+    .unwrap()
+    .get(0)
+}
+
 /// Checks that each key's events arrive in the order of their positions (within a partition,
 /// where one key's messages all are).
 fn in_order_per_key(records: &[Record]) {
@@ -225,14 +235,7 @@ fn a_broker_killed_mid_stream_loses_nothing() {
     ids.extend(raise(&mut c, 301, 600));
     // The sink fails while the broker is down, and dead-letters nothing.
     eventually("the sink to notice", Duration::from_secs(30), || {
-        let e: Option<String> = c
-            .query_one(
-                "SELECT last_error FROM outbox.status() WHERE name = 'stream'",
-                &[],
-            )
-            .unwrap()
-            .get(0);
-        e
+        last_error(&mut c, "stream")
     });
     broker.restart();
     ids.extend(raise(&mut c, 601, 700));
@@ -296,12 +299,7 @@ fn kafka_sinks_refuse_internal_addresses_and_keep_their_secrets() {
     ))
     .unwrap();
     let error: String = eventually("the refused connection", Duration::from_secs(30), || {
-        t.query_one(
-            "SELECT last_error FROM outbox.status() WHERE name = 'named'",
-            &[],
-        )
-        .unwrap()
-        .get::<_, Option<String>>(0)
+        last_error(&mut t, "named")
     });
     assert!(error.contains("address is internal"), "{error}");
     assert!(
@@ -338,12 +336,7 @@ fn kafka_sinks_refuse_internal_addresses_and_keep_their_secrets() {
     ))
     .unwrap();
     let error: String = eventually("the refused broker", Duration::from_secs(30), || {
-        su.query_one(
-            "SELECT last_error FROM outbox.status() WHERE name = 'meta'",
-            &[],
-        )
-        .unwrap()
-        .get::<_, Option<String>>(0)
+        last_error(&mut su, "meta")
     });
     assert!(
         error.contains(

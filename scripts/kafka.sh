@@ -19,6 +19,12 @@
 # DIR holds server.properties, data/, kafka.log (the broker's log, appended at each start) and
 # kafka.pid. Settings from the environment: KAFKA_VERSIONS, PG_OUTBOX_CACHE, KAFKA_HEAP,
 # KAFKA_JAVA_OPTS, KAFKA_START_TIMEOUT, KAFKA_STOP_TIMEOUT.
+#
+# With KAFKA_SASL_PORT and KAFKA_SASL_USERS ("name:password name:password ..."), kafka_start also
+# opens a SASL_PLAINTEXT listener (mechanism PLAIN) on that port for those users, and turns ACLs
+# on: the users may do only what `kafka_acl` grants them, while the PLAINTEXT listener (the
+# tests' own tools, as User:ANONYMOUS) stays a super user.
+#   kafka_acl DIR PORT PRINCIPAL TOPIC OPERATION...   grant User:PRINCIPAL those operations
 
 # Newest first: kafka_install takes the first that resolves, kafka_lib the first installed.
 KAFKA_VERSIONS=${KAFKA_VERSIONS:-"4.4.0 4.3.1 4.2.1 4.1.2"}
@@ -181,14 +187,27 @@ kafka_start() {
       return 1
     fi
   done
+  local listeners="PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$cport"
+  local protocols="PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT" sasl="" user jaas=""
+  if [ -n "${KAFKA_SASL_PORT:-}" ]; then
+    listeners+=",SASL_PLAINTEXT://127.0.0.1:$KAFKA_SASL_PORT"
+    protocols+=",SASL_PLAINTEXT:SASL_PLAINTEXT"
+    for user in ${KAFKA_SASL_USERS:-}; do
+      jaas+=" user_${user%%:*}=\"${user#*:}\""
+    done
+    sasl="sasl.enabled.mechanisms=PLAIN
+listener.name.sasl_plaintext.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required$jaas;
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+super.users=User:ANONYMOUS"
+  fi
   # Written again at every start: a restart on the same DIR may change the ports; data stays.
   cat >"$dir/server.properties" <<EOF
 # Written by pg_outbox's scripts/kafka.sh: one combined broker and controller, KRaft, loopback only.
 process.roles=broker,controller
 node.id=1
-listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$cport
-advertised.listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$cport
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listeners=$listeners
+advertised.listeners=$listeners
+listener.security.protocol.map=$protocols
 inter.broker.listener.name=PLAINTEXT
 controller.listener.names=CONTROLLER
 controller.quorum.bootstrap.servers=127.0.0.1:$cport
@@ -216,6 +235,7 @@ log.cleaner.dedupe.buffer.size=8388608
 auto.create.topics.enable=false
 num.network.threads=2
 num.io.threads=4
+$sasl
 EOF
   _kafka_log4j INFO >"$dir/log4j2.properties"
   if [ ! -f "$dir/data/meta.properties" ]; then
@@ -320,6 +340,19 @@ kafka_topic() {
     --topic "$name" --partitions "$partitions" --replication-factor 1 "${configs[@]}" >/dev/null
 }
 
+kafka_acl() {
+  local usage='usage: kafka_acl DIR PORT PRINCIPAL TOPIC OPERATION...'
+  local dir=${1:?$usage} port=${2:?$usage} principal=${3:?$usage} topic=${4:?$usage} op ops=()
+  shift 4
+  for op in "$@"; do ops+=(--operation "$op"); done
+  if ! _kafka_pid "$dir" >/dev/null; then
+    _kafka_say "no broker runs from $dir"
+    return 1
+  fi
+  kafka_tool org.apache.kafka.tools.AclCommand --bootstrap-server "127.0.0.1:$port" --add \
+    --allow-principal "User:$principal" --topic "$topic" "${ops[@]}" >/dev/null
+}
+
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
   set -euo pipefail
   cmd=${1:-}
@@ -330,6 +363,7 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
     stop) kafka_stop "$@" ;;
     kill) kafka_kill "$@" ;;
     topic) kafka_topic "$@" ;;
+    acl) kafka_acl "$@" ;;
     tool) kafka_tool "$@" ;;
     lib) kafka_lib ;;
     *) sed -n '2,/^$/s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;

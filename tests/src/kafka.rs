@@ -15,9 +15,14 @@ fn script() -> PathBuf {
 }
 
 fn run(args: &[&str]) {
+    run_with(args, &[]);
+}
+
+fn run_with(args: &[&str], env: &[(&str, String)]) {
     let out = Command::new("bash")
         .arg(script())
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v.as_str())))
         .output()
         .expect("bash scripts/kafka.sh");
     assert!(
@@ -33,11 +38,30 @@ fn run(args: &[&str]) {
 pub struct Broker {
     dir: PathBuf,
     pub port: u16,
+    /// The SASL_PLAINTEXT listener's port and its users (`name:password ...`), if it has one.
+    sasl: Option<(u16, String)>,
 }
 
 impl Broker {
     /// Starts a broker on a free loopback port (its controller on the next one).
     pub fn start(label: &str) -> Broker {
+        Broker::start_with(label, None)
+    }
+
+    /// Starts a broker that also has a SASL_PLAINTEXT listener (PLAIN) for `users` (name,
+    /// password), with ACLs on: those users may do only what [`Broker::allow`] grants, while the
+    /// PLAINTEXT listener the tests' tools use stays a super user.
+    pub fn start_with_sasl(label: &str, users: &[(&str, &str)]) -> Broker {
+        let port = crate::http_server::Receiver::free_port();
+        let users = users
+            .iter()
+            .map(|(u, p)| format!("{u}:{p}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        Broker::start_with(label, Some((port, users)))
+    }
+
+    fn start_with(label: &str, sasl: Option<(u16, String)>) -> Broker {
         let port = loop {
             let p = crate::http_server::Receiver::free_port();
             if p < 65000 && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
@@ -46,8 +70,34 @@ impl Broker {
         };
         let dir = PathBuf::from(format!("/tmp/pgo-kafka-{label}.{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        run(&["start", dir.to_str().unwrap(), &port.to_string()]);
-        Broker { dir, port }
+        let broker = Broker { dir, port, sasl };
+        broker.run(&["start", broker.dir.to_str().unwrap(), &port.to_string()]);
+        broker
+    }
+
+    fn run(&self, args: &[&str]) {
+        let env = match &self.sasl {
+            Some((port, users)) => vec![
+                ("KAFKA_SASL_PORT", port.to_string()),
+                ("KAFKA_SASL_USERS", users.clone()),
+            ],
+            None => Vec::new(),
+        };
+        run_with(args, &env);
+    }
+
+    /// `127.0.0.1:<port>` of the SASL_PLAINTEXT listener.
+    pub fn sasl_address(&self) -> String {
+        let (port, _) = self.sasl.as_ref().expect("a broker with a SASL listener");
+        format!("127.0.0.1:{port}")
+    }
+
+    /// Grants `User:<principal>` the `operations` (Write, Describe, ...) on `topic`.
+    pub fn allow(&self, principal: &str, topic: &str, operations: &[&str]) {
+        let port = self.port.to_string();
+        let mut args = vec!["acl", self.dir.to_str().unwrap(), &port, principal, topic];
+        args.extend_from_slice(operations);
+        run(&args);
     }
 
     /// `127.0.0.1:<port>`.
@@ -76,7 +126,7 @@ impl Broker {
 
     /// Starts it again on the same data and port.
     pub fn restart(&self) {
-        run(&["start", self.dir.to_str().unwrap(), &self.port.to_string()]);
+        self.run(&["start", self.dir.to_str().unwrap(), &self.port.to_string()]);
     }
 
     /// Every record of `topic` from the beginning, once at least `at_least` have arrived (or

@@ -2,7 +2,8 @@
 //! scripts/kafka.sh): every committed event arrives, once by `ce_id`, in order per key, from
 //! writers committing out of order with rollbacks; a message the broker refuses for itself is
 //! dead-lettered after the neighbour test while its neighbours arrive; a broker killed mid-stream
-//! loses nothing; internal addresses are refused and secrets stay out of sight.
+//! loses nothing; a topic the sink may not write (ACLs over SASL) dead-letters only the events
+//! bound for it; internal addresses are refused and secrets stay out of sight.
 
 use pg_outbox_tests::kafka::{Broker, Record};
 use pg_outbox_tests::{eventually, position, sqlstate, worker_db};
@@ -485,4 +486,55 @@ fn a_rewind_while_windows_fly_sends_everything_again_in_order() {
     let again = ns.iter().rposition(|n| *n == 1).expect("the first event");
     assert!(again > 0, "sent again from the origin");
     assert_eq!(ns[again..], (1..=2000).collect::<Vec<i64>>()[..]);
+}
+
+#[test]
+fn a_topic_the_sink_may_not_write_is_dead_lettered_while_its_neighbours_arrive() {
+    let db = worker_db("kafka_acl");
+    db.cluster().set("pg_outbox.kafka_allow_private", "on");
+    // The sink authenticates as "tenant" (SASL PLAIN), which may write t.ok and not t.no.
+    let broker = Broker::start_with_sasl("acl", &[("tenant", "tenant-secret")]);
+    broker.topic("t.ok", 1, &[]);
+    broker.topic("t.no", 1, &[]);
+    broker.allow("tenant", "t.ok", &["Write", "Describe"]);
+    let mut c = db.connect();
+    c.batch_execute(&format!(
+        "SELECT outbox.create_kafka_sink('acl', '{}', 't.{{topic}}', timeout_ms => 5000,
+                properties => '{{\"security.protocol\": \"sasl_plaintext\", \"sasl.mechanism\": \"PLAIN\",
+                                 \"sasl.username\": \"tenant\", \"sasl.password\": \"tenant-secret\"}}');
+         SELECT outbox.raise(CASE WHEN n = 5 THEN 'no' ELSE 'ok' END, jsonb_build_object('n', n), subject => 'k')
+           FROM generate_series(1, 10) n;",
+        broker.sasl_address()
+    ))
+    .unwrap();
+    let dead: String = eventually(
+        "the forbidden event dead-lettered",
+        Duration::from_secs(90),
+        || {
+            c.query_opt(
+                "SELECT (event).payload->>'n' || ': ' || error FROM outbox.dead_letters WHERE sink = 'acl'",
+                &[],
+            )
+            .unwrap()
+            .map(|r| r.get(0))
+        },
+    );
+    assert!(dead.starts_with("5: "), "{dead}");
+    assert!(dead.to_lowercase().contains("authorization"), "{dead}");
+    assert!(!dead.contains("tenant-secret"), "{dead}");
+    let records = broker.consume("t.ok", 9, Duration::from_secs(30));
+    let ns: Vec<i64> = first_of_each(&records)
+        .iter()
+        .map(|r| {
+            serde_json::from_str::<serde_json::Value>(&r.value).unwrap()["n"]
+                .as_i64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        ns,
+        [1, 2, 3, 4, 6, 7, 8, 9, 10],
+        "its neighbours arrive, in order"
+    );
+    assert!(broker.consume("t.no", 0, Duration::from_secs(2)).is_empty());
 }

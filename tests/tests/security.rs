@@ -2088,3 +2088,69 @@ fn a_key_given_to_enqueue_cannot_stand_in_for_a_schedules_run() {
         "the run's job and mallory's, each in its own namespace"
     );
 }
+
+#[test]
+fn a_tenant_cannot_lock_the_extensions_relations_against_the_workers() {
+    let db = worker_db("sec_member_locks");
+    let mut su = db.connect();
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    let mut shipping = tenant(
+        &db,
+        "shipping",
+        &[SINK_GRANTS, SUBSCRIBER_GRANTS, JOB_GRANTS, OPS_GRANTS],
+    );
+    let members: Vec<String> = su
+        .query(
+            "SELECT c.oid::regclass::text FROM pg_depend d JOIN pg_class c ON c.oid = d.objid
+              WHERE d.classid = 'pg_class'::regclass AND d.deptype = 'e' AND c.relkind IN ('r', 'v')
+                AND d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'pg_outbox')",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(members.len() > 10, "{members:?}");
+    // Every worker step takes each relation ROW EXCLUSIVE, without waiting, or skips: a lock that
+    // conflicts with it would stop delivery for everybody. None may be taken by a tenant.
+    let mut t = shipping.transaction().unwrap();
+    for rel in &members {
+        for mode in [
+            "SHARE",
+            "SHARE ROW EXCLUSIVE",
+            "EXCLUSIVE",
+            "ACCESS EXCLUSIVE",
+        ] {
+            t.batch_execute("SAVEPOINT s").unwrap();
+            let taken = t.batch_execute(&format!("LOCK TABLE {rel} IN {mode} MODE NOWAIT"));
+            let err = taken.expect_err(&format!("{rel} locked {mode} by a tenant"));
+            assert_eq!(
+                err.code(),
+                Some(&postgres::error::SqlState::INSUFFICIENT_PRIVILEGE),
+                "{rel} {mode}: {err}"
+            );
+            t.batch_execute("ROLLBACK TO SAVEPOINT s").unwrap();
+        }
+        // What it may take (ACCESS SHARE where it may read), it keeps while events flow.
+        t.batch_execute("SAVEPOINT s").unwrap();
+        if t.batch_execute(&format!("LOCK TABLE {rel} IN ACCESS SHARE MODE NOWAIT"))
+            .is_err()
+        {
+            t.batch_execute("ROLLBACK TO SAVEPOINT s").unwrap();
+        }
+    }
+    su.batch_execute(
+        "CREATE TABLE public.got (n int); GRANT INSERT ON public.got TO shipping;
+         CREATE FUNCTION public.s(e outbox.event[]) RETURNS void LANGUAGE sql AS
+           $$ INSERT INTO public.got SELECT 1 FROM unnest(e) $$;
+         SELECT outbox.create_sink('s', 'public.s(outbox.event[])');",
+    )
+    .unwrap();
+    raise(&mut app, "a.b", 5);
+    eventually(
+        "delivery while the tenant holds its locks",
+        Duration::from_secs(20),
+        || (count(&mut su, "SELECT count(*) FROM public.got") == 5).then_some(()),
+    );
+    t.rollback().unwrap();
+}

@@ -39,6 +39,30 @@ fn last_error(c: &mut pg_outbox_tests::postgres::Client, name: &str) -> Option<S
     .get(0)
 }
 
+/// Waits (up to 90 s) for the one dead letter of `sink`: "<the event's n>: <error>".
+fn dead_letter(c: &mut pg_outbox_tests::postgres::Client, sink: &str, what: &str) -> String {
+    eventually(what, Duration::from_secs(90), || {
+        c.query_opt(
+            "SELECT (event).payload->>'n' || ': ' || error FROM outbox.dead_letters WHERE sink = $1",
+            &[&sink],
+        )
+        .unwrap()
+        .map(|r| r.get(0))
+    })
+}
+
+/// The `n` of each record's payload, in the records' order.
+fn values_of_n(records: &[Record]) -> Vec<i64> {
+    records
+        .iter()
+        .map(|r| {
+            serde_json::from_str::<serde_json::Value>(&r.value).unwrap()["n"]
+                .as_i64()
+                .unwrap()
+        })
+        .collect()
+}
+
 /// Checks that each key's events arrive in the order of their positions (within a partition,
 /// where one key's messages all are).
 fn in_order_per_key(records: &[Record]) {
@@ -165,29 +189,11 @@ fn a_message_the_broker_refuses_is_dead_lettered_after_the_neighbour_test() {
         broker.address()
     ))
     .unwrap();
-    let dead: String = eventually(
-        "the big event dead-lettered",
-        Duration::from_secs(90),
-        || {
-            c.query_opt(
-            "SELECT (event).payload->>'n' || ': ' || error FROM outbox.dead_letters WHERE sink = 'small'",
-            &[],
-        )
-        .unwrap()
-        .map(|r| r.get(0))
-        },
-    );
+    let dead = dead_letter(&mut c, "small", "the big event dead-lettered");
     assert!(dead.starts_with("15: "), "{dead}");
     assert!(dead.to_lowercase().contains("too large"), "{dead}");
     let records = broker.consume("small", 39, Duration::from_secs(30));
-    let ns: Vec<i64> = first_of_each(&records)
-        .iter()
-        .map(|r| {
-            serde_json::from_str::<serde_json::Value>(&r.value).unwrap()["n"]
-                .as_i64()
-                .unwrap()
-        })
-        .collect();
+    let ns = values_of_n(&first_of_each(&records));
     assert_eq!(
         ns,
         (1..=40).filter(|n| *n != 15).collect::<Vec<i64>>(),
@@ -474,14 +480,7 @@ fn a_rewind_while_windows_fly_sends_everything_again_in_order() {
     });
     let mut records = broker.consume("again", 2000, Duration::from_secs(60));
     records.sort_by_key(|r| r.offset);
-    let ns: Vec<i64> = records
-        .iter()
-        .map(|r| {
-            serde_json::from_str::<serde_json::Value>(&r.value).unwrap()["n"]
-                .as_i64()
-                .unwrap()
-        })
-        .collect();
+    let ns = values_of_n(&records);
     // From the origin again: after the last copy of the first event, every event, in order.
     let again = ns.iter().rposition(|n| *n == 1).expect("the first event");
     assert!(again > 0, "sent again from the origin");
@@ -507,30 +506,12 @@ fn a_topic_the_sink_may_not_write_is_dead_lettered_while_its_neighbours_arrive()
         broker.sasl_address()
     ))
     .unwrap();
-    let dead: String = eventually(
-        "the forbidden event dead-lettered",
-        Duration::from_secs(90),
-        || {
-            c.query_opt(
-                "SELECT (event).payload->>'n' || ': ' || error FROM outbox.dead_letters WHERE sink = 'acl'",
-                &[],
-            )
-            .unwrap()
-            .map(|r| r.get(0))
-        },
-    );
+    let dead = dead_letter(&mut c, "acl", "the forbidden event dead-lettered");
     assert!(dead.starts_with("5: "), "{dead}");
     assert!(dead.to_lowercase().contains("authorization"), "{dead}");
     assert!(!dead.contains("tenant-secret"), "{dead}");
     let records = broker.consume("t.ok", 9, Duration::from_secs(30));
-    let ns: Vec<i64> = first_of_each(&records)
-        .iter()
-        .map(|r| {
-            serde_json::from_str::<serde_json::Value>(&r.value).unwrap()["n"]
-                .as_i64()
-                .unwrap()
-        })
-        .collect();
+    let ns = values_of_n(&first_of_each(&records));
     assert_eq!(
         ns,
         [1, 2, 3, 4, 6, 7, 8, 9, 10],

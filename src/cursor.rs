@@ -151,11 +151,19 @@ pub fn insert_consumer(name: &str, kind: &str, cursor: Position, owner: pg_sys::
 /// against the row as it is now and changes nothing.
 pub fn save(name: &str, to: Position) -> bool {
     as_owner(|| {
-        Spi::get_one_with_args::<bool>(
-            "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, moved_at = now() \
-              WHERE name = $1 AND (txid, seq) < ($2::xid8, $3) RETURNING true",
-            &cursor_args(name, to),
-        )
+        Spi::connect_mut(|client| {
+            let moved = crate::plans::update(
+                client,
+                "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, moved_at = now() \
+                  WHERE name = $1 AND (txid, seq) < ($2::xid8, $3) RETURNING true",
+                Some(1),
+                &cursor_args(name, to),
+            )?;
+            if moved.is_empty() {
+                return Ok(None);
+            }
+            moved.first().get_one::<bool>()
+        })
     })
     .map(|moved| moved.unwrap_or(false))
     .or_else(|e| match e {

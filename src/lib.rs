@@ -13,6 +13,7 @@ mod isolation;
 mod lease;
 mod lineage;
 mod owner;
+mod plans;
 mod prune;
 mod query;
 mod queue;

@@ -31,6 +31,16 @@ pub static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(1000);
 /// amortise a transaction per batch, small enough that a failing batch bisects in 7 steps.
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(128);
 
+/// How many events one pass of a SQL sink may hand over, in batches of its batch size, before it
+/// commits: the batches after the first go on in the same transaction while they come full, each
+/// handler call in its own subtransaction, so a backlog costs one commit per pass, not per batch.
+pub static PASS_MAX_EVENTS: GucSetting<i32> = GucSetting::<i32>::new(4096);
+
+/// How long one pass of a SQL sink may go on handing over further batches (see
+/// `PASS_MAX_EVENTS`). A pass holds a transaction id once its handler writes, and that holds back
+/// the read horizon of every reader: this bounds how long. 0: one batch per pass.
+pub static PASS_MAX_TIME_MS: GucSetting<i32> = GucSetting::<i32>::new(50);
+
 /// The cap of the doubling back-off of a lone failing event (DESIGN: 1 s doubling to 5 min).
 pub static MAX_BACKOFF_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 
@@ -134,6 +144,26 @@ pub fn init() {
         &POLL_INTERVAL_MS,
         10,
         3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.pass_max_events",
+        c"Events one pass of a SQL sink may hand over in successive batches before it commits.",
+        c"",
+        &PASS_MAX_EVENTS,
+        1,
+        1_000_000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"pg_outbox.pass_max_time",
+        c"How long one pass of a SQL sink may go on handing over further batches before it commits (0: one batch per pass).",
+        c"",
+        &PASS_MAX_TIME_MS,
+        0,
+        60_000,
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );

@@ -124,8 +124,10 @@ mod tests {
             3
         );
         // Every SQL-language and plpgsql function pins its search_path, but for the job queue's
-        // hot path, which qualifies every name instead (see jobs.sql; tested against a hostile
-        // search_path in tests/tests/jobs.rs). A new exception must be added here on purpose.
+        // hot path and the read rule with the workers' window over it (inlined into the
+        // statements that call them), which qualify every name instead (see jobs.sql and
+        // schema.sql; tested against a hostile search_path in tests/tests/jobs.rs and
+        // tests/tests/consumers.rs). A new exception must be added here on purpose.
         assert_eq!(
             one::<String>(
                 "SELECT coalesce(string_agg(p.proname, ',' ORDER BY p.proname), '') \
@@ -134,7 +136,7 @@ mod tests {
                   WHERE n.nspname = 'outbox' AND l.lanname IN ('sql', 'plpgsql') \
                     AND NOT coalesce('search_path=pg_catalog, pg_temp' = ANY (p.proconfig), false)"
             ),
-            "_claim,_complete_many,_may,_my_xid"
+            "_claim,_complete_many,_may,_my_xid,_read_after,_read_window"
         );
     }
 

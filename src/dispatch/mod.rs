@@ -14,6 +14,7 @@ pub mod jobs;
 pub mod kafka;
 
 use crate::cursor;
+use crate::plans;
 use crate::settings;
 use crate::transaction::{in_subtransaction, Failure};
 use pg_outbox_core::policy::{AfterFailure, AfterNeighbour, SinkState};
@@ -21,7 +22,7 @@ use pg_outbox_core::Position;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 // utils/timeout.h is not among pgrx's bindings. STATEMENT_TIMEOUT is the fourth TimeoutId in
 // PostgreSQL 15 (its handler makes the next CHECK_FOR_INTERRUPTS raise 57014, as
@@ -245,7 +246,8 @@ enum Leased {
 /// slow handler holds back the read horizon of every reader in the cluster. This way the pass
 /// takes an id only when its handler first writes, and when it saves the cursor at the end.
 fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
-    let key = client.select(
+    let key = plans::select(
+        client,
         "SELECT s.lease_key FROM outbox.sinks s WHERE s.id OPERATOR(pg_catalog.=) $1",
         Some(1),
         &[DatumWithOid::from(id)],
@@ -263,7 +265,8 @@ fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
     // The previous holder committed before it released the lease: a snapshot taken now sees its
     // cursor. (The statement above ran on an older one.)
     crate::transaction::refresh_snapshot();
-    let rows = client.select(
+    let rows = plans::select(
+        client,
         "SELECT s.id, pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(p.proname), \
                 c.owner, s.topic_regex, s.batch_size, s.current_batch, s.attempts, \
                 c.txid::text, c.seq, 'outbox.event[]'::pg_catalog.regtype::pg_catalog.oid \
@@ -340,7 +343,8 @@ fn read_window(
     max: u32,
     regex: &Option<String>,
 ) -> Result<Window, pgrx::spi::Error> {
-    let table = client.select(
+    let table = plans::select(
+        client,
         WINDOW_SQL,
         Some(1),
         &[
@@ -373,7 +377,8 @@ pub(crate) fn window_shape(
     after: Position,
     max: u32,
 ) -> Result<(usize, Option<Position>), pgrx::spi::Error> {
-    let table = client.select(
+    let table = plans::select(
+        client,
         "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4] \
            FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $4) r",
         Some(1),
@@ -399,6 +404,7 @@ fn deliver(
     sink: &Sink,
     events: pg_sys::Datum,
     neighbour: bool,
+    before: usize,
 ) -> Result<(), Failure> {
     let sql = format!("SELECT {}($1)", sink.call);
     // SAFETY: the datum is an outbox.event[] read in this SPI connection, still alive.
@@ -406,12 +412,12 @@ fn deliver(
     let target = crate::worker::Target::Sink {
         id: &sink.id,
         neighbour,
+        before: before.min(u32::MAX as usize) as u32,
     };
     as_handler_owner(sink.owner, target, || {
         // select, not update: pgrx's update path asks for a transaction id before the handler
         // runs (see `lease`). The handler, a volatile function, still writes.
-        client
-            .select(sql.as_str(), None, &[arg])
+        plans::select(client, &sql, None, &[arg])
             .map(|_| ())
             .unwrap_or_else(|e| panic!("{e}"));
     })
@@ -478,7 +484,8 @@ pub(crate) fn save_state(
     failure: Option<&Failure>,
     delivered: usize,
 ) -> Result<(), pgrx::spi::Error> {
-    client.update(
+    plans::update(
+        client,
         "UPDATE outbox.sinks SET current_batch = $2, attempts = $3, \
                 next_attempt_at = CASE WHEN $4::int8 IS NULL THEN NULL \
                                        ELSE pg_catalog.now() + $4::int8 * interval '1 millisecond' END, \
@@ -504,73 +511,174 @@ pub(crate) fn save_state(
     Ok(())
 }
 
-/// One pass over one sink. Runs inside the worker's transaction.
+/// One pass over one sink. Runs inside the worker's transaction: a dead letter asked for again,
+/// or the windows after the cursor, one batch after the other while they come full, up to
+/// `pg_outbox.pass_max_events` and `pg_outbox.pass_max_time` ([`deliver_windows`]).
 pub fn pass(id: &str) -> PassResult {
     if !lock_tables() {
         return PassResult::Skipped;
     }
-    Spi::connect_mut(|client| {
+    let leased = Spi::connect_mut(|client| {
         let sink = match lease(&*client, id)? {
             Leased::Sink(sink) => sink,
-            Leased::Contended => return Ok(PassResult::Contended),
-            Leased::Absent => return Ok(PassResult::Skipped),
+            Leased::Contended => return Ok(Err(PassResult::Contended)),
+            Leased::Absent => return Ok(Err(PassResult::Skipped)),
         };
-        if let Some(result) = crate::replay::deliver_requested(client, &sink.id, |c, events| {
-            deliver(c, &sink, events, false)
+        match crate::replay::deliver_requested(client, &sink.id, |c, events| {
+            deliver(c, &sink, events, false, 0)
         })? {
-            return Ok(result);
-        }
-        let policy = settings::policy(sink.max_batch);
-        let max = sink.state.batch.min(sink.max_batch);
-        // Reading the window is the events' doing as much as a handler's failure is: one that
-        // cannot be read goes through the failure policy too, so it is bisected to the event
-        // that cannot be, which is dead-lettered after the neighbour test.
-        let window = match crate::transaction::in_subtransaction(|| {
-            read_window(client, sink.cursor, max, &sink.topic_regex)
-        }) {
-            Ok(window) => window?,
-            Err(failure) => {
-                let (count, last) = window_shape(client, sink.cursor, max)?;
-                let Some(last) = last else {
-                    return Ok(PassResult::Idle);
-                };
-                let failure = Failure {
-                    message: format!("reading the batch failed: {}", failure.message),
-                    ..failure
-                };
-                return failed_batch(client, &sink, count, last, None, failure);
-            }
-        };
-        let Some(last) = window.last else {
-            return Ok(PassResult::Idle);
-        };
-        let full = window.count as u32 >= sink.state.batch;
-        let Some(events) = window.events else {
-            // Nothing here for this sink's topics: move past the window.
-            cursor::save(&sink.id, last);
-            return Ok(PassResult::Delivered { events: 0, full });
-        };
-        match deliver(client, &sink, events, false) {
-            Ok(()) => {
-                cursor::save(&sink.id, last);
-                save_state(
-                    client,
-                    &sink.id,
-                    policy.after_success(sink.state),
-                    None,
-                    false,
-                    None,
-                    window.matching,
-                )?;
-                Ok(PassResult::Delivered {
-                    events: window.matching,
-                    full,
-                })
-            }
-            Err(failure) => failed_batch(client, &sink, window.count, last, Some(events), failure),
+            Some(result) => Ok(Err(result)),
+            None => Ok(Ok(sink)),
         }
     })
-    .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
+    .map_err(|e: pgrx::spi::Error| e);
+    let mut sink = match leased {
+        Ok(Ok(sink)) => sink,
+        Ok(Err(result)) => return result,
+        Err(e) => panic!("sink \"{id}\": {e}"),
+    };
+    let reach = Reach {
+        events: settings::PASS_MAX_EVENTS.get().max(1) as usize,
+        until: Some(
+            Instant::now() + Duration::from_millis(settings::PASS_MAX_TIME_MS.get().max(0) as u64),
+        ),
+        exact: false,
+    };
+    match deliver_windows(&mut sink, &reach) {
+        Ok(Windows::Failed(result)) => result,
+        Ok(Windows::Went { handed: 0, .. }) => PassResult::Idle,
+        Ok(Windows::Went {
+            delivered, full, ..
+        }) => PassResult::Delivered {
+            events: delivered,
+            full,
+        },
+        Err(e) => panic!("sink \"{id}\": {e}"),
+    }
+}
+
+/// How far a pass goes on after its first window.
+struct Reach {
+    /// Events handed over at most (the first window is always read whole).
+    events: usize,
+    /// No further window after this.
+    until: Option<Instant>,
+    /// Windows are cut to end exactly at `events` (replaying what a lost pass handed over).
+    exact: bool,
+}
+
+/// Where a pass's windows ended.
+enum Windows {
+    /// Every window read went through; `full`: the last one was full (more may wait).
+    Went {
+        handed: usize,
+        delivered: usize,
+        full: bool,
+    },
+    /// A window failed; what went through before it is saved, and the failure policy gave this.
+    Failed(PassResult),
+}
+
+/// Hands the windows after `sink`'s cursor to its handler, each in a subtransaction of the
+/// caller's transaction, one after the other while they come full and `reach` allows. The cursor
+/// and the sink's state are saved once, at the end. A window that fails ends it: what went
+/// through is saved, then the failure policy takes that window as the first of a pass would, so
+/// a pass of many windows behaves as many passes of one that commit together.
+fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi::Error> {
+    let policy = settings::policy(sink.max_batch);
+    let start = sink.cursor;
+    let (mut handed, mut delivered, mut went) = (0usize, 0usize, false);
+    loop {
+        let mut max = sink.state.batch.min(sink.max_batch);
+        if reach.exact {
+            max = max.min(reach.events.saturating_sub(handed).max(1) as u32);
+        }
+        // Each window in an SPI connection of its own: what it read is freed before the next.
+        let step = Spi::connect_mut(|client| {
+            // Reading the window is the events' doing as much as a handler's failure is: one that
+            // cannot be read goes through the failure policy too, so it is bisected to the event
+            // that cannot be, which is dead-lettered after the neighbour test.
+            let window = match crate::transaction::in_subtransaction(|| {
+                read_window(client, sink.cursor, max, &sink.topic_regex)
+            }) {
+                Ok(window) => window?,
+                Err(failure) => {
+                    let (count, last) = window_shape(client, sink.cursor, max)?;
+                    let Some(last) = last else {
+                        return Ok(None);
+                    };
+                    let failure = Failure {
+                        message: format!("reading the batch failed: {}", failure.message),
+                        ..failure
+                    };
+                    save_progress(client, sink, start, went.then_some(delivered))?;
+                    return failed_batch(client, sink, count, last, None, failure, handed)
+                        .map(|r| Some(Err(r)));
+                }
+            };
+            let Some(last) = window.last else {
+                return Ok(None);
+            };
+            // Nothing here for this sink's topics: move past the window.
+            if let Some(events) = window.events {
+                if let Err(failure) = deliver(client, sink, events, false, handed) {
+                    save_progress(client, sink, start, went.then_some(delivered))?;
+                    return failed_batch(
+                        client,
+                        sink,
+                        window.count,
+                        last,
+                        Some(events),
+                        failure,
+                        handed,
+                    )
+                    .map(|r| Some(Err(r)));
+                }
+                sink.state = policy.after_success(sink.state);
+                delivered += window.matching;
+                went = true;
+            }
+            sink.cursor = last;
+            handed += window.count;
+            Ok(Some(Ok(window.count as u32 >= max)))
+        })?;
+        let full = match step {
+            Some(Ok(full)) => full,
+            Some(Err(failed)) => return Ok(Windows::Failed(failed)),
+            None => false,
+        };
+        let more = full
+            && handed < reach.events
+            && reach.until.is_none_or(|until| Instant::now() < until)
+            && !crate::worker::stop_requested();
+        if !more {
+            Spi::connect_mut(|client| {
+                save_progress(client, sink, start, went.then_some(delivered))
+            })?;
+            return Ok(Windows::Went {
+                handed,
+                delivered,
+                full,
+            });
+        }
+    }
+}
+
+/// Saves what a pass's windows did: the cursor if it moved past `start`, and the sink's state if
+/// a handler call went through (`delivered`: how many events they were handed).
+fn save_progress(
+    client: &mut SpiClient<'_>,
+    sink: &Sink,
+    start: Position,
+    delivered: Option<usize>,
+) -> Result<(), pgrx::spi::Error> {
+    if sink.cursor != start {
+        cursor::save(&sink.id, sink.cursor);
+    }
+    match delivered {
+        Some(delivered) => save_state(client, &sink.id, sink.state, None, false, None, delivered),
+        None => Ok(()),
+    }
 }
 
 /// A batch of `count` events ending at `last` failed: the failure policy decides (halve, back
@@ -582,6 +690,7 @@ fn failed_batch(
     last: Position,
     events: Option<pg_sys::Datum>,
     failure: Failure,
+    before: usize,
 ) -> Result<PassResult, pgrx::spi::Error> {
     let policy = settings::policy(sink.max_batch);
     match policy.after_failure(sink.state, count as u32) {
@@ -612,7 +721,7 @@ fn failed_batch(
                 sink.id,
                 state.attempts
             );
-            neighbour_test(client, sink, state, last, events, failure)
+            neighbour_test(client, sink, state, last, events, failure, before)
         }
     }
 }
@@ -631,16 +740,34 @@ pub(crate) fn hang_failure() -> Failure {
 /// A sink's handler call ended its worker (see `worker::InHandler`): count that as the failure of
 /// that batch, durably, and go on with the failure policy, so that a handler that always hangs
 /// moves through halving, back-off and the neighbour test to the dead letters like any failing
-/// handler. `neighbour`: the hung call was the neighbour test, so the sink is down. Runs in the
-/// transaction of the worker started in the ended one's place, before its first round.
-pub fn after_hang(id: &str, neighbour: bool) {
+/// handler. `neighbour`: the hung call was the neighbour test, so the sink is down. `before`: the
+/// pass had handed over that many events before, in the transaction lost with the worker; they
+/// are handed over again first, so the failure is counted against the batch that hung. Runs in
+/// the transaction of the worker started in the ended one's place, before its first round.
+pub fn after_hang(id: &str, neighbour: bool, before: u32) {
     if !lock_tables() {
         return;
     }
-    Spi::connect_mut(|client| {
-        let Leased::Sink(sink) = lease(&*client, id)? else {
-            return Ok(());
+    let Leased::Sink(mut sink) = Spi::connect(|client| lease(client, id))
+        .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
+    else {
+        return;
+    };
+    if before > 0 {
+        let again = Reach {
+            events: before as usize,
+            until: None,
+            exact: true,
         };
+        match deliver_windows(&mut sink, &again) {
+            // The batches before went through again: the next one is the one that hung.
+            Ok(Windows::Went { handed, .. }) if handed >= before as usize => {}
+            // One of them failed now (its failure is counted), or the log is not as it was.
+            Ok(_) => return,
+            Err(e) => panic!("sink \"{id}\": {e}"),
+        }
+    }
+    Spi::connect_mut(|client| {
         let failure = hang_failure();
         let policy = settings::policy(sink.max_batch);
         let window = read_window(
@@ -669,7 +796,7 @@ pub fn after_hang(id: &str, neighbour: bool) {
                 0,
             );
         }
-        failed_batch(client, &sink, window.count, last, Some(events), failure).map(|_| ())
+        failed_batch(client, &sink, window.count, last, Some(events), failure, 0).map(|_| ())
     })
     .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
 }
@@ -683,6 +810,7 @@ fn neighbour_test(
     lone: Position,
     lone_events: Option<pg_sys::Datum>,
     failure: Failure,
+    before: usize,
 ) -> Result<PassResult, pgrx::spi::Error> {
     let policy = settings::policy(sink.max_batch);
     // The neighbour is the next event this sink would receive, within one batch of the lone one.
@@ -690,7 +818,10 @@ fn neighbour_test(
         Some(span) => {
             let window = read_window(client, lone, span, &sink.topic_regex)?;
             let events = window.events.expect("the span ends at a matching event");
-            (window.last, Some(deliver(client, sink, events, true)))
+            (
+                window.last,
+                Some(deliver(client, sink, events, true, before)),
+            )
         }
         None => (None, None),
     };

@@ -107,16 +107,22 @@ CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq ON outbox.consu
 -- transactions older than the oldest one still running (the snapshot's xmin) are read: they have
 -- all ended, and nothing can commit behind a cursor any more. Ordering is by the columns, never
 -- by the text of a position.
+--
+-- Neither STRICT nor SET search_path, so that the planner inlines it into the statement that reads
+-- through it (the workers keep those plans: nothing is parsed, planned or materialised per window).
+-- In exchange every name and operator in it is schema-qualified, so that it means the same under
+-- any search_path (tested against a hostile one), and a NULL argument reads nothing, as STRICT did.
 CREATE FUNCTION outbox._read_after(after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
 RETURNS SETOF outbox.event
-LANGUAGE sql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
-    SELECT e.id, e.txid::text || ':' || e.seq::text, e.topic, e.subject, e.tenant, e.payload,
-           e.headers, e.raised_at
+LANGUAGE sql STABLE AS $$
+    SELECT e.id,
+           (e.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) e.seq::pg_catalog.text,
+           e.topic, e.subject, e.tenant, e.payload, e.headers, e.raised_at
       FROM outbox.events e
-     WHERE e.txid < outbox._log_horizon()
-       AND (e.txid, e.seq) > (after_txid, after_seq)
+     WHERE e.txid OPERATOR(pg_catalog.<) outbox._log_horizon()
+       AND ROW(e.txid, e.seq) OPERATOR(pg_catalog.>) ROW(after_txid, after_seq)
      ORDER BY e.txid, e.seq
-     LIMIT max_events
+     LIMIT COALESCE(max_events, 0)
 $$;
 
 CREATE FUNCTION outbox.read(consumer text, max_events integer DEFAULT 100)

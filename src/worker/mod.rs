@@ -38,6 +38,9 @@ struct InHandler {
     since: i64,
     jobs: [i64; JOBS_MAX],
     jobs_len: u8,
+    /// A sink's batch: how many events its pass handed over before this one, in the same
+    /// transaction (lost with the worker, so handed over again before the failure is counted).
+    before: u32,
 }
 
 impl Default for InHandler {
@@ -49,6 +52,7 @@ impl Default for InHandler {
             since: 0,
             jobs: [0; JOBS_MAX],
             jobs_len: 0,
+            before: 0,
         }
     }
 }
@@ -58,23 +62,32 @@ pub(crate) enum Target<'a> {
     Sink {
         id: &'a str,
         neighbour: bool,
+        /// Events the pass handed over before this call, in the same transaction.
+        before: u32,
     },
     Jobs {
         subscription: &'a str,
         ids: &'a [i64],
     },
     /// The query of an each schedule.
-    Schedule {
-        name: &'a str,
-    },
+    Schedule { name: &'a str },
 }
 
 /// A handler call that ended its worker: found by the worker started in its place.
 #[derive(Debug)]
 pub(crate) enum Hung {
-    Sink { id: String, neighbour: bool },
-    Jobs { subscription: String, ids: Vec<i64> },
-    Schedule { name: String },
+    Sink {
+        id: String,
+        neighbour: bool,
+        before: u32,
+    },
+    Jobs {
+        subscription: String,
+        ids: Vec<i64>,
+    },
+    Schedule {
+        name: String,
+    },
 }
 
 /// A slot's life: the launcher takes a free slot for a database (Starting), the worker it starts
@@ -707,8 +720,13 @@ impl HandlerRunning {
                     ..InHandler::default()
                 };
                 let name = match target {
-                    Target::Sink { id, neighbour } => {
+                    Target::Sink {
+                        id,
+                        neighbour,
+                        before,
+                    } => {
                         h.kind = if neighbour { 2 } else { 1 };
+                        h.before = before;
                         id
                     }
                     Target::Jobs { subscription, ids } => {
@@ -1102,6 +1120,7 @@ pub(crate) fn slot_started(slot: usize) -> Option<Hung> {
                 kind => Hung::Sink {
                     id: name,
                     neighbour: kind == 2,
+                    before: h.before,
                 },
             });
         }

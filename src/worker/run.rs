@@ -141,9 +141,11 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
             "pg_outbox worker {slot}: the worker before it was ended in a handler: {hung:?}"
         );
         let recovered = match &hung {
-            super::Hung::Sink { id, neighbour } => {
-                in_transaction(|| crate::dispatch::after_hang(id, *neighbour))
-            }
+            super::Hung::Sink {
+                id,
+                neighbour,
+                before,
+            } => in_transaction(|| crate::dispatch::after_hang(id, *neighbour, *before)),
             super::Hung::Jobs { subscription, ids } => {
                 crate::dispatch::jobs::after_hang(subscription, ids);
                 Ok(())

@@ -359,3 +359,78 @@ fn advance_past_the_horizon_is_refused_while_a_transaction_holds_it() {
         .get(0);
     assert!(moved);
 }
+
+/// The read rule and the workers' window over it are inlined into the statements that call them,
+/// so they pin no search_path: every name and operator in them is qualified. Look-alike operators
+/// first on the search_path must change nothing: not the horizon (`<` on xid8), not the cursor
+/// (`>` on bigint in the row comparison), not the positions (`||`), not the byte cut (`<=`).
+#[test]
+fn the_read_rule_reads_the_same_under_a_hostile_search_path() {
+    let db = test_db("read_search_path");
+    let mut c = db.connect();
+    c.batch_execute(
+        "SELECT outbox.raise('a.b', jsonb_build_object('i', i)) FROM generate_series(1, 3) i",
+    )
+    .unwrap();
+    // A transaction still running holds the horizon: neither its event nor a later one is read.
+    let mut holder = db.connect();
+    holder
+        .batch_execute("BEGIN; SELECT outbox.raise('a.b', '{\"i\": 4}')")
+        .unwrap();
+    c.batch_execute("SELECT outbox.raise('a.b', '{\"i\": 5}')")
+        .unwrap();
+    let after: String = c
+        .query_one(
+            "SELECT txid::text || ':' || seq FROM outbox.events ORDER BY txid, seq LIMIT 1",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let (txid, seq) = after.split_once(':').unwrap();
+    let reads = format!(
+        "SELECT string_agg(pg_catalog.concat(position, '=', payload->>'i'), ' ')
+           FROM outbox._read_after('{txid}'::xid8, {seq}, 10)
+         UNION ALL
+         SELECT string_agg(pg_catalog.concat(position, '#', n), ' ')
+           FROM outbox._read_window('0'::xid8, 0, 10, 1)
+         UNION ALL
+         SELECT count(*)::text FROM outbox._read_after(NULL, 0, 10)
+         UNION ALL
+         SELECT count(*)::text FROM outbox._read_after('0'::xid8, 0, NULL)"
+    );
+    let read = |c: &mut postgres::Client| -> Vec<Option<String>> {
+        c.query(&reads, &[])
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    let plain = read(&mut c);
+    assert_eq!(plain[0].as_deref().map(|s| s.split(' ').count()), Some(2));
+    assert_eq!(
+        plain[1].as_deref().map(|s| s.split(' ').count()),
+        Some(1),
+        "one byte: the first event alone"
+    );
+    assert_eq!(plain[2].as_deref(), Some("0"));
+    assert_eq!(plain[3].as_deref(), Some("0"));
+    c.batch_execute(
+        "CREATE SCHEMA evil;
+         CREATE FUNCTION evil.t(xid8, xid8) RETURNS boolean LANGUAGE sql AS 'SELECT true';
+         CREATE OPERATOR evil.< (LEFTARG = xid8, RIGHTARG = xid8, FUNCTION = evil.t);
+         CREATE OPERATOR evil.> (LEFTARG = xid8, RIGHTARG = xid8, FUNCTION = evil.t);
+         CREATE FUNCTION evil.b(bigint, bigint) RETURNS boolean LANGUAGE sql AS 'SELECT true';
+         CREATE OPERATOR evil.> (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = evil.b);
+         CREATE OPERATOR evil.= (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = evil.b);
+         CREATE FUNCTION evil.n(numeric, bigint) RETURNS boolean LANGUAGE sql AS 'SELECT true';
+         CREATE OPERATOR evil.<= (LEFTARG = numeric, RIGHTARG = bigint, FUNCTION = evil.n);
+         CREATE FUNCTION evil.cat(text, text) RETURNS text LANGUAGE sql AS 'SELECT ''x''';
+         CREATE OPERATOR evil.|| (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.cat);
+         SET search_path = evil, pg_catalog, public;",
+    )
+    .unwrap();
+    let hostile = read(&mut c);
+    c.batch_execute("RESET search_path").unwrap();
+    assert_eq!(hostile, plain);
+    holder.batch_execute("ROLLBACK").unwrap();
+}

@@ -896,6 +896,69 @@ fn a_sink_handler_that_never_stops_reaches_the_dead_letters_and_the_rest_is_deli
     assert_eq!(got, vec![1, 3]);
 }
 
+/// The hang in a later batch of a pass: the worker ends with the batches before it uncommitted.
+/// Its replacement hands those over again and counts the failure against the batch that hung, so
+/// the hanging event still reaches the dead letters and every other event arrives exactly once.
+#[test]
+fn a_sink_handler_that_never_stops_in_a_later_batch_of_a_pass_loses_and_repeats_nothing() {
+    let db = worker_db("sec_hang_later");
+    let _settings = Settings::fast_handlers(&db).set("pg_outbox.pass_max_time", "10s", "50ms");
+    let mut su = db.connect();
+    let mut shipping = tenant(&db, "shipping", &[SINK_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    shipping
+        .batch_execute(&format!(
+            "CREATE TABLE shipping.got (n int);
+             CREATE FUNCTION shipping.h(e outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$ BEGIN
+               {}
+               INSERT INTO shipping.got SELECT (x.payload->>'n')::int FROM unnest(e) x;
+             END $$;
+             SELECT outbox.create_sink('ship', 'shipping.h(outbox.event[])', batch_size => 2);
+             SELECT outbox.pause_sink('ship');",
+            HANG_ON_FLAG.replace("ARRAY[e]::outbox.event[]", "e")
+        ))
+        .unwrap();
+    // One backlog: the pass hands over [1, 2], [3, 4], then hangs on [5, 6].
+    app.batch_execute(
+        "SELECT outbox.raise_many(ARRAY['a.b'],
+                array_agg(CASE WHEN i = 6 THEN jsonb_build_object('n', i, 'hang', true)
+                               ELSE jsonb_build_object('n', i) END ORDER BY i))
+           FROM generate_series(1, 9) i",
+    )
+    .unwrap();
+    shipping
+        .batch_execute("SELECT outbox.resume_sink('ship')")
+        .unwrap();
+    eventually(
+        "the hanging event to be dead-lettered",
+        Duration::from_secs(120),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM outbox.dead_letters WHERE sink = 'ship'",
+            ) == 1)
+                .then_some(())
+        },
+    );
+    eventually(
+        "the others to be delivered",
+        Duration::from_secs(20),
+        || (count(&mut su, "SELECT count(*) FROM shipping.got") >= 8).then_some(()),
+    );
+    let dead: String = su
+        .query_one("SELECT (event).payload->>'n' FROM outbox.dead_letters", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(dead, "6");
+    let got: Vec<i32> = su
+        .query("SELECT n FROM shipping.got ORDER BY n", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(got, vec![1, 2, 3, 4, 5, 7, 8, 9]);
+}
+
 #[test]
 fn a_job_handler_that_never_stops_dies_alone_and_its_batch_goes_through() {
     let db = worker_db("sec_hang_job");

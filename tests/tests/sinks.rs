@@ -203,6 +203,80 @@ fn a_poison_event_is_dead_lettered_after_the_neighbour_test_and_everything_else_
     );
 }
 
+/// A backlog goes over in several batches per transaction (`pg_outbox.pass_max_events`), each
+/// handler call in a subtransaction of its own. A batch that fails ends its pass: the batches
+/// before it commit, and the failure policy takes the failing one as it would at the start of a
+/// pass, down to the poison event, which alone is dead-lettered.
+#[test]
+fn a_pass_hands_over_several_batches_in_one_transaction_and_a_failing_one_keeps_those_before() {
+    let (db, mut c) = setup("sink_pass");
+    db.cluster().set("pg_outbox.pass_max_time", "10s");
+    db.cluster().set("pg_outbox.poison_after", "2");
+    c.batch_execute(
+        "CREATE TABLE calls (xid xid8, first int, last int, events int);
+         CREATE FUNCTION passes(events outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$ BEGIN
+           INSERT INTO calls SELECT pg_current_xact_id(), min((e.payload->>'i')::int),
+                                    max((e.payload->>'i')::int), count(*) FROM unnest(events) e;
+           IF EXISTS (SELECT 1 FROM unnest(events) e WHERE e.payload ? 'poison') THEN
+             RAISE EXCEPTION 'poison in batch' USING ERRCODE = 'P0001';
+           END IF;
+           INSERT INTO ledger (sink, id, pos, topic, payload)
+             SELECT 'passes', e.id, e.position, e.topic, e.payload FROM unnest(events) e;
+         END $$;
+         SELECT outbox.create_sink('passes', 'passes(outbox.event[])', batch_size => 4);
+         SELECT outbox.pause_sink('passes');
+         SELECT outbox.raise_many(ARRAY['load.tick'],
+                array_agg(CASE WHEN i = 43 THEN jsonb_build_object('i', i, 'poison', true)
+                               ELSE jsonb_build_object('i', i) END ORDER BY i))
+           FROM generate_series(1, 64) i;
+         SELECT outbox.resume_sink('passes');",
+    )
+    .unwrap();
+    let rows = wait_ledger(&mut c, "passes", 63, Duration::from_secs(60));
+    db.cluster().set("pg_outbox.pass_max_time", "50ms");
+    db.cluster().set("pg_outbox.poison_after", "5");
+    assert_eq!(rows.len(), 63);
+    assert_in_order_once(&rows);
+    assert!(rows.iter().all(|r| !r.1.contains("poison")));
+    let dead: String = c
+        .query_one(
+            "SELECT (event).payload->>'i' FROM outbox.dead_letters WHERE sink = 'passes'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(dead, "43");
+    // The first pass: ten batches of four in one transaction (the eleventh, holding the poison,
+    // failed: its subtransaction, and the row it wrote in `calls`, rolled back).
+    let first: Vec<(i32, i32, i64)> = c
+        .query(
+            "SELECT first, last, count(*) OVER (PARTITION BY xid) FROM calls
+              WHERE xid = (SELECT xid FROM calls WHERE first = 1) ORDER BY first",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let expected: Vec<(i32, i32, i64)> = (0..10).map(|k| (4 * k + 1, 4 * k + 4, 10)).collect();
+    assert_eq!(first, expected, "one pass, batch after batch");
+    // What went before the failing batch committed, and it alone was retried (halved).
+    let next: (i32, i32) = c
+        .query_one(
+            "SELECT first, last FROM calls WHERE xid > (SELECT xid FROM calls WHERE first = 1)
+              ORDER BY xid, first LIMIT 1",
+            &[],
+        )
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(next, (41, 42));
+    // Every event but the poison was handed over once in a batch that went through.
+    assert_eq!(
+        count(&mut c, "SELECT count(*) FROM ledger WHERE sink = 'passes'"),
+        63
+    );
+}
+
 #[test]
 fn an_outage_dead_letters_nothing_and_delivers_everything_once_it_recovers() {
     let (_db, mut c) = setup("sink_outage");

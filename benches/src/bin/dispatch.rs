@@ -6,7 +6,7 @@
 //! Run through `bash benches/dispatch.sh` (builds and installs the release build first).
 //! BENCH_EVENTS (default 200000) sets the drain size, BENCH_SECONDS (default 10) each latency run,
 //! BENCH_STALL_SECONDS (default 10) how long the horizon is held, BENCH_SIZE_SECONDS (default 300)
-//! the long run.
+//! the long run; BENCH_DRAIN_ONLY=1 stops after the drains.
 
 use pg_outbox_benches::{
     env_or, head, raise_load, record, record_ratio, record_x_unit, with_bench_cluster, Latency,
@@ -367,6 +367,9 @@ fn main() {
             ours / queue,
             Some(2.0),
         );
+        if std::env::var_os("BENCH_DRAIN_ONLY").is_some() {
+            return;
+        }
         println!(
             "\n{:<46} {:>10} {:>8} {:>8} {:>8} {:>8}",
             "commit-to-handler latency (ms)", "events/s", "p50", "p95", "p99", "max"

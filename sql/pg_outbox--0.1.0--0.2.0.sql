@@ -38,6 +38,13 @@ ALTER TABLE outbox.sinks ADD COLUMN failures bigint;
 UPDATE outbox.sinks SET failures = 0;
 ALTER TABLE outbox.sinks ALTER COLUMN failures SET DEFAULT 0, ALTER COLUMN failures SET NOT NULL;
 
+-- Whether a sink's delivery transactions wait for their WAL flush (outbox.alter_sink), added as
+-- failures is.
+ALTER TABLE outbox.sinks ADD COLUMN synchronous_commit boolean;
+UPDATE outbox.sinks SET synchronous_commit = true;
+ALTER TABLE outbox.sinks ALTER COLUMN synchronous_commit SET DEFAULT true,
+    ALTER COLUMN synchronous_commit SET NOT NULL;
+
 -- Positions survive pg_dump and pg_restore into another cluster (src/lineage.rs). The log's
 -- existing positions are this database's epoch 0, and were raised in.
 CREATE FUNCTION outbox._log_txid() RETURNS pg_catalog.xid8
@@ -1400,6 +1407,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'announce_sql_wrapper';
 
+CREATE FUNCTION outbox."alter_sink"(
+	"id" TEXT,
+	"options" jsonb
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'alter_sink_wrapper';
+
 CREATE FUNCTION outbox."create_kafka_sink"(
 	"id" TEXT,
 	"brokers" TEXT,
@@ -1434,7 +1449,7 @@ BEGIN
                     '_start_delivery', 'metrics', '_log_txid', '_log_horizon',
                     'set_schedule', 'schedule', 'schedule_status', '_schedule', '_schedule_allowed',
                     '_schedule_denied', '_ran_each', '_place_one_offs', '_check_expire_after', '_alter_queue',
-                    'alter_queue', '_announce_jobs', '_schedule_status', '_announce', 'create_kafka_sink']) LOOP
+                    'alter_queue', '_announce_jobs', '_schedule_status', '_announce', 'create_kafka_sink', 'alter_sink']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

@@ -62,6 +62,17 @@ pub fn name_worker(slot: usize) {
     set(c"application_name", &name);
 }
 
+/// For the rest of the worker's transaction, its commit does not wait for its WAL to be flushed
+/// (a sink with `synchronous_commit` off, see `outbox.alter_sink`). Like SET LOCAL: gone when the
+/// transaction ends, and taken before a handler's nest level, so the handler cannot undo it.
+pub fn commit_without_waiting_for_flush() {
+    set_config(
+        c"synchronous_commit",
+        c"off",
+        pg_sys::GucAction::GUC_ACTION_LOCAL,
+    );
+}
+
 fn set(name: &CStr, value: &CStr) {
     set_config(name, value, pg_sys::GucAction::GUC_ACTION_SET);
 }

@@ -339,6 +339,24 @@ fn resume_sink(id: Option<&str>) {
     crate::worker::wake_at_commit_always();
 }
 
+/// Changes options of a sink after its creation (see `pg_outbox_core::options`): its owner's
+/// call, like pause and resume. The workers take the new options at the sink's next pass.
+#[pg_extern(volatile, parallel_unsafe)]
+fn alter_sink(id: Option<&str>, options: Option<pgrx::JsonB>) {
+    let id = owned_sink(id, "alter");
+    let options = required(options, "options").or_report();
+    let options = pg_outbox_core::options::parse(&options.0).or_report();
+    if let Some(on) = options.synchronous_commit {
+        as_owner(|| {
+            Spi::run_with_args(
+                "UPDATE outbox.sinks SET synchronous_commit = $2 WHERE id = $1",
+                &[DatumWithOid::from(id.as_str()), DatumWithOid::from(on)],
+            )
+        })
+        .unwrap_or_else(|e| panic!("updating sink: {e}"));
+    }
+}
+
 /// Drops a sink, its cursor and its dead letters.
 #[pg_extern(volatile, parallel_unsafe)]
 fn drop_sink(id: Option<&str>) {

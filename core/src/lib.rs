@@ -12,6 +12,7 @@ pub mod id;
 pub mod kafka;
 pub mod limits;
 pub mod name;
+pub mod options;
 pub mod pattern;
 pub mod policy;
 pub mod position;

@@ -10,6 +10,7 @@
 //! message of the window is acknowledged: at least once.
 
 use super::{save_state, PassResult};
+use crate::plans;
 use crate::settings;
 use crate::transaction::{in_transaction, Failure};
 use pg_outbox_core::http::{self, Outcome, Secret};
@@ -55,6 +56,8 @@ struct Sink {
     /// The cursor's rewind count when read: a save after a rewind (or for a sink dropped and
     /// created again under the same name) must not apply.
     rewinds: i64,
+    /// Off: the transaction that records a delivered window does not wait for the WAL flush.
+    synchronous_commit: bool,
     /// Consecutive transient failures (5xx, timeouts, refused connections).
     transient: u32,
     max_batch: u32,
@@ -116,7 +119,8 @@ fn lease_and_read(id: &str, chain: Option<&Chain>) -> Prepared {
         return Prepared::Absent;
     }
     Spi::connect(|client| {
-        let key = client.select(
+        let key = plans::select(
+            client,
             "SELECT s.lease_key FROM outbox.sinks s \
               WHERE s.id OPERATOR(pg_catalog.=) $1 AND s.kind OPERATOR(pg_catalog.<>) 'sql'",
             Some(1),
@@ -134,11 +138,12 @@ fn lease_and_read(id: &str, chain: Option<&Chain>) -> Prepared {
             return Ok(Prepared::Contended);
         }
         crate::transaction::refresh_snapshot();
-        let rows = client.select(
+        let rows = plans::select(
+            client,
             "SELECT s.batch_size, s.current_batch, s.attempts, c.txid::text, c.seq, \
                     h.url, h.headers::text, h.secret, coalesce(h.timeout_ms, k.timeout_ms), c.rewinds, \
                     s.transient, c.owner, k.brokers, k.kafka_topic, k.key, k.properties::text, \
-                    pg_catalog.current_database()::text \
+                    pg_catalog.current_database()::text, s.synchronous_commit \
                FROM outbox.sinks s JOIN outbox.consumers c ON c.name = s.id \
                LEFT JOIN outbox.http_sinks h ON h.id = s.id \
                LEFT JOIN outbox.kafka_sinks k ON k.id = s.id \
@@ -217,6 +222,7 @@ fn lease_and_read(id: &str, chain: Option<&Chain>) -> Prepared {
             id: id.to_string(),
             lease_key,
             rewinds: r.get(10)?.expect("rewinds"),
+            synchronous_commit: r.get(18)?.expect("synchronous_commit is NOT NULL"),
             transient: r.get::<i32>(11)?.expect("transient").max(0) as u32,
             max_batch: r.get::<i32>(1)?.expect("batch_size").max(1) as u32,
             state: SinkState {
@@ -245,7 +251,8 @@ fn lease_and_read(id: &str, chain: Option<&Chain>) -> Prepared {
             // It reads on from the last of the windows in flight.
             sink.cursor = chain.after;
         }
-        let replay = client.select(
+        let replay = plans::select(
+            client,
             &format!(
                 "SELECT d.txid::text, d.seq, {body}, (d.event).id::text \
                    FROM outbox.dead_letters d WHERE d.sink = $1 AND d.replay_requested_at IS NOT NULL \
@@ -354,7 +361,8 @@ fn read_window(
     max: u32,
     kafka: bool,
 ) -> Result<Window, pgrx::spi::Error> {
-    let t = client.select(
+    let t = plans::select(
+        client,
         window_sql(kafka),
         Some(1),
         &[
@@ -577,19 +585,27 @@ fn kind_of(e: &ureq::Error) -> String {
 /// while the request was in flight.
 fn save_cursor(sink: &Sink, to: Position) -> bool {
     crate::owner::as_owner(|| {
-        Spi::get_one_with_args::<bool>(
-            "UPDATE outbox.consumers c SET txid = $2::xid8, seq = $3, moved_at = now() \
-              WHERE c.name = $1 AND (c.txid, c.seq) < ($2::xid8, $3) AND c.rewinds = $4 \
-                AND EXISTS (SELECT 1 FROM outbox.sinks s WHERE s.id = c.name AND s.lease_key = $5) \
-             RETURNING true",
-            &[
-                DatumWithOid::from(sink.id.as_str()),
-                DatumWithOid::from(to.txid.to_string()),
-                DatumWithOid::from(to.seq),
-                DatumWithOid::from(sink.rewinds),
-                DatumWithOid::from(sink.lease_key),
-            ],
-        )
+        Spi::connect_mut(|client| {
+            let moved = plans::update(
+                client,
+                "UPDATE outbox.consumers c SET txid = $2::xid8, seq = $3, moved_at = now() \
+                  WHERE c.name = $1 AND (c.txid, c.seq) < ($2::xid8, $3) AND c.rewinds = $4 \
+                    AND EXISTS (SELECT 1 FROM outbox.sinks s WHERE s.id = c.name AND s.lease_key = $5) \
+                 RETURNING true",
+                Some(1),
+                &[
+                    DatumWithOid::from(sink.id.as_str()),
+                    DatumWithOid::from(to.txid.to_string()),
+                    DatumWithOid::from(to.seq),
+                    DatumWithOid::from(sink.rewinds),
+                    DatumWithOid::from(sink.lease_key),
+                ],
+            )?;
+            if moved.is_empty() {
+                return Ok(None);
+            }
+            moved.first().get_one::<bool>()
+        })
     })
     .map(|moved| moved.unwrap_or(false))
     .or_else(|e| match e {
@@ -1304,6 +1320,9 @@ fn record(
     match outcome {
         Outcome::Delivered => {
             in_transaction(|| {
+                if !sink.synchronous_commit {
+                    crate::isolation::commit_without_waiting_for_flush();
+                }
                 save_cursor(sink, last);
                 Spi::connect_mut(|c| {
                     save_state(

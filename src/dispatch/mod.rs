@@ -228,6 +228,8 @@ struct Sink {
     state: SinkState,
     cursor: Position,
     event_array_type: pg_sys::Oid,
+    /// Off: this pass's commit does not wait for the WAL flush (`outbox.alter_sink`).
+    synchronous_commit: bool,
 }
 
 enum Leased {
@@ -269,7 +271,8 @@ fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
         client,
         "SELECT s.id, pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(p.proname), \
                 c.owner, s.topic_regex, s.batch_size, s.current_batch, s.attempts, \
-                c.txid::text, c.seq, 'outbox.event[]'::pg_catalog.regtype::pg_catalog.oid \
+                c.txid::text, c.seq, 'outbox.event[]'::pg_catalog.regtype::pg_catalog.oid, \
+                s.synchronous_commit \
            FROM outbox.sinks s \
            JOIN outbox.consumers c ON c.name = s.id \
            JOIN pg_catalog.pg_proc p ON p.oid = s.handler \
@@ -294,6 +297,7 @@ fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
             },
             cursor: Position::new(txid.parse().expect("xid8"), r.get(9)?.expect("seq")),
             event_array_type: r.get(10)?.expect("type oid"),
+            synchronous_commit: r.get(11)?.expect("synchronous_commit is NOT NULL"),
         });
     }
     if let Some(sink) = &found {
@@ -537,6 +541,9 @@ pub fn pass(id: &str) -> PassResult {
         Ok(Err(result)) => return result,
         Err(e) => panic!("sink \"{id}\": {e}"),
     };
+    if !sink.synchronous_commit {
+        crate::isolation::commit_without_waiting_for_flush();
+    }
     let reach = Reach {
         events: settings::PASS_MAX_EVENTS.get().max(1) as usize,
         until: Some(

@@ -29,7 +29,11 @@ CREATE TABLE outbox.sinks (
     lease_key         integer     GENERATED ALWAYS AS IDENTITY,
     -- Failed deliveries since the sink was created (a batch, a lone event, a neighbour test, a
     -- request): with `delivered`, the counters metrics export.
-    failures          bigint      NOT NULL DEFAULT 0
+    failures          bigint      NOT NULL DEFAULT 0,
+    -- Off (outbox.alter_sink): the sink's delivery transactions commit without waiting for the
+    -- flush of their WAL. A crash may lose the last of them, handler's writes and cursor
+    -- together, and those events are delivered again.
+    synchronous_commit boolean    NOT NULL DEFAULT true
 );
 
 -- Where an HTTP sink posts, and how. No role but the extension's owner can read it: the headers

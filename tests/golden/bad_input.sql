@@ -532,6 +532,25 @@ SELECT outbox.drop_sink('nope');
 SELECT outbox.drop_sink('c1');
 SELECT outbox.drop_sink('sub1');
 
+-- ==================================================================================== alter_sink
+SELECT outbox.alter_sink(NULL, '{"synchronous_commit": false}');
+SELECT outbox.alter_sink('', '{"synchronous_commit": false}');
+SELECT outbox.alter_sink(repeat('n', 64), '{"synchronous_commit": false}');
+SELECT outbox.alter_sink('x''; DROP TABLE outbox.events; --', '{"synchronous_commit": false}');
+SELECT outbox.alter_sink('nope', '{"synchronous_commit": false}');
+SELECT outbox.alter_sink('c1', '{"synchronous_commit": false}');
+SELECT outbox.alter_sink('sub1', '{"synchronous_commit": false}');
+SELECT outbox.alter_sink('s1', NULL);
+SELECT outbox.alter_sink('s1', '{}');
+SELECT outbox.alter_sink('s1', '[]');
+SELECT outbox.alter_sink('s1', 'null');
+SELECT outbox.alter_sink('s1', '"synchronous_commit"');
+SELECT outbox.alter_sink('s1', '{"synchronous_commit": "off"}');
+SELECT outbox.alter_sink('s1', '{"synchronous_commit": null}');
+SELECT outbox.alter_sink('s1', '{"synchronous_commit": 0}');
+SELECT outbox.alter_sink('s1', '{"synchronous_commit": false, "batch_size": 10}');
+SELECT outbox.alter_sink('s1', jsonb_build_object(repeat('k', 1000), 1));
+
 -- ======================================================================= replay(sink, position)
 SELECT outbox.replay(NULL, '1:1');
 SELECT outbox.replay('s1', NULL);
@@ -999,6 +1018,7 @@ CREATE ROLE outbox_bad_input NOLOGIN;
 GRANT USAGE ON SCHEMA outbox TO outbox_bad_input;
 GRANT EXECUTE ON FUNCTION outbox.advance(text, text), outbox.rewind(text, text), outbox.drop_consumer(text),
       outbox.create_sink(text, regprocedure, text[], integer, text), outbox.pause_sink(text), outbox.drop_sink(text),
+      outbox.alter_sink(text, jsonb),
       outbox.replay(text), outbox.subscribe(text, text[], regprocedure, text, text, integer, text),
       outbox.unsubscribe(text), outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
       outbox.unschedule(text), outbox.claim(text, integer, interval), outbox.complete_many(bigint[]),
@@ -1020,6 +1040,7 @@ SELECT outbox.advance('c1', '1:1');
 SELECT outbox.rewind('c1', '1:1');
 SELECT outbox.drop_consumer('c1');
 SELECT outbox.pause_sink('s1');
+SELECT outbox.alter_sink('s1', '{"synchronous_commit": false}');
 SELECT outbox.drop_sink('h1');
 SELECT outbox.replay('s1');
 SELECT outbox.unsubscribe('sub1');

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 const SINK_GRANTS: &str = "GRANT USAGE ON SCHEMA outbox TO {r};
     GRANT EXECUTE ON FUNCTION outbox.create_sink(text, regprocedure, text[], integer, text),
         outbox.pause_sink(text), outbox.resume_sink(text), outbox.drop_sink(text),
-        outbox.replay(text), outbox.replay(text, text) TO {r};";
+        outbox.alter_sink(text, jsonb), outbox.replay(text), outbox.replay(text, text) TO {r};";
 
 /// The README's grants for a team that subscribes.
 const SUBSCRIBER_GRANTS: &str = "GRANT USAGE ON SCHEMA outbox TO {r};

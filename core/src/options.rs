@@ -1,0 +1,120 @@
+//! The options `outbox.alter_sink(id, options jsonb)` changes on a sink after its creation.
+//!
+//! A jsonb object rather than one argument per option, so that a new option never changes the
+//! function's signature (and with it every grant on it). Each key is checked here: an unknown key,
+//! a value of the wrong type or an empty object is refused, never ignored.
+
+use crate::{Invalid, InvalidKind};
+use serde_json::Value;
+
+/// What an `alter_sink` call changes; `None`: left as it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SinkOptions {
+    /// Whether the sink's delivery transactions wait for their commit to be flushed (see
+    /// `synchronous_commit` in the README): off trades a crash's last commits, delivered again
+    /// after it, for fewer waits on the disk.
+    pub synchronous_commit: Option<bool>,
+}
+
+/// The options a sink takes, for messages.
+pub const SINK_OPTIONS: &str = "synchronous_commit (boolean)";
+
+/// Parses the options object of `alter_sink`.
+pub fn parse(options: &Value) -> Result<SinkOptions, Invalid> {
+    let hint = || format!("the options of a sink: {SINK_OPTIONS}");
+    let Value::Object(map) = options else {
+        return Err(Invalid::new(
+            InvalidKind::Parameter,
+            format!("options must be a JSON object, not {}", kind(options)),
+        )
+        .with_hint(hint()));
+    };
+    if map.is_empty() {
+        return Err(
+            Invalid::new(InvalidKind::Parameter, "options name nothing to change")
+                .with_hint(hint()),
+        );
+    }
+    let mut parsed = SinkOptions::default();
+    for (key, value) in map {
+        match (key.as_str(), value) {
+            ("synchronous_commit", Value::Bool(on)) => parsed.synchronous_commit = Some(*on),
+            ("synchronous_commit", other) => {
+                return Err(Invalid::new(
+                    InvalidKind::Parameter,
+                    format!(
+                        "option synchronous_commit must be true or false, not {}",
+                        kind(other)
+                    ),
+                ))
+            }
+            (other, _) => {
+                return Err(Invalid::new(
+                    InvalidKind::Parameter,
+                    format!("unknown sink option \"{}\"", clip(other)),
+                )
+                .with_hint(hint()))
+            }
+        }
+    }
+    Ok(parsed)
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A key as a message shows it: at most 64 characters.
+fn clip(key: &str) -> String {
+    match key.char_indices().nth(64) {
+        Some((at, _)) => format!("{}...", &key[..at]),
+        None => key.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn synchronous_commit_is_a_boolean() {
+        assert_eq!(
+            parse(&json!({"synchronous_commit": false})).unwrap(),
+            SinkOptions {
+                synchronous_commit: Some(false)
+            }
+        );
+        assert_eq!(
+            parse(&json!({"synchronous_commit": true}))
+                .unwrap()
+                .synchronous_commit,
+            Some(true)
+        );
+        for bad in [json!("off"), json!(0), json!(null), json!([true])] {
+            let e = parse(&json!({ "synchronous_commit": bad })).unwrap_err();
+            assert_eq!(e.kind, InvalidKind::Parameter);
+            assert!(e.message.contains("true or false"), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn anything_else_is_refused() {
+        for bad in [json!(null), json!([]), json!("x"), json!({})] {
+            assert_eq!(parse(&bad).unwrap_err().kind, InvalidKind::Parameter);
+        }
+        let e = parse(&json!({"synchronous_commit": true, "batch": 3})).unwrap_err();
+        assert_eq!(e.message, "unknown sink option \"batch\"");
+        assert!(e.hint.unwrap().contains("synchronous_commit"));
+        let long = "k".repeat(500);
+        let e = parse(&json!({ long: 1 })).unwrap_err();
+        assert!(e.message.len() < 100, "{}", e.message);
+    }
+}

@@ -360,28 +360,9 @@ impl Worker {
                 break;
             }
             let result = if is_http {
-                // Its windows from earlier rounds still on their way: a Kafka sink's next window
-                // may chain behind them, else the sink waits for them.
-                let flying: Vec<_> = self
-                    .in_flight
-                    .iter()
-                    .filter(|f| f.sink_id() == sink)
-                    .collect();
-                let chain = match flying.last() {
-                    None => None,
-                    Some(newest) => match newest.chain(flying.len(), &mut self.agents) {
-                        Some(chain) if flying.iter().all(|f| !f.discarded()) => Some(chain),
-                        _ => continue,
-                    },
-                };
-                activity(&format!("sink \"{sink}\": reading and sending a batch"));
-                match dispatch::http::start(&sink, &mut self.agents, chain) {
-                    Ok(dispatch::http::Started::InFlight(flight)) => {
-                        self.in_flight.push(*flight);
-                        continue;
-                    }
-                    Ok(dispatch::http::Started::Done(result)) => Ok(result),
-                    Err(e) => Err(e),
+                match self.send_windows(&sink) {
+                    Some(result) => result,
+                    None => continue,
                 }
             } else {
                 activity(&format!("sink \"{sink}\": delivering a batch"));
@@ -630,6 +611,45 @@ impl Worker {
     }
 
     /// Records the HTTP requests that have landed.
+    /// Starts the next window of an HTTP or Kafka sink, and for a Kafka sink goes on while the
+    /// windows come full and its chain has room ([`dispatch::http::InFlight::chain`]), so that
+    /// a backlog fills the chain at once instead of one window per landing. None: the windows
+    /// fly (or wait behind those in flight); else what the sink's pass came to.
+    fn send_windows(
+        &mut self,
+        sink: &str,
+    ) -> Option<Result<PassResult, crate::transaction::Failure>> {
+        let mut first = true;
+        loop {
+            // Its windows from earlier rounds still on their way: a Kafka sink's next window may
+            // chain behind them, else the sink waits for them. After the first, only behind a
+            // full window (a backlog): a window that came short read all there was.
+            let flying: Vec<_> = self
+                .in_flight
+                .iter()
+                .filter(|f| f.sink_id() == sink)
+                .collect();
+            let chain = match flying.last() {
+                None => None,
+                Some(newest) if !first && !newest.full() => return None,
+                Some(newest) => match newest.chain(flying.len(), &mut self.agents) {
+                    Some(chain) if flying.iter().all(|f| !f.discarded()) => Some(chain),
+                    _ => return None,
+                },
+            };
+            activity(&format!("sink \"{sink}\": reading and sending a batch"));
+            match dispatch::http::start(sink, &mut self.agents, chain) {
+                Ok(dispatch::http::Started::InFlight(flight)) => self.in_flight.push(*flight),
+                Ok(dispatch::http::Started::Done(result)) => return Some(Ok(result)),
+                Err(e) => return Some(Err(e)),
+            }
+            first = false;
+            if self.stopping() {
+                return None;
+            }
+        }
+    }
+
     fn finished_flights(
         &mut self,
         results: &mut Vec<(String, Result<PassResult, crate::transaction::Failure>)>,

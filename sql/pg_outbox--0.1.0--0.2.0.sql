@@ -110,6 +110,7 @@ LANGUAGE sql STABLE AS $$
       FROM outbox.events e
      WHERE e.txid OPERATOR(pg_catalog.<) outbox._log_horizon()
        AND ROW(e.txid, e.seq) OPERATOR(pg_catalog.>) ROW(after_txid, after_seq)
+       AND after_txid IS NOT NULL AND after_seq IS NOT NULL
      ORDER BY e.txid, e.seq
      LIMIT COALESCE(max_events, 0)
 $$;
@@ -128,8 +129,9 @@ AS 'MODULE_PATHNAME', 'event_size_wrapper';
 -- it); never empty while an event is readable. Bounds what a pass holds whatever events hold.
 --
 -- Inlined into the workers' kept statements with the read rule, like it (see _read_after): not
--- STRICT, no SET, every name and operator qualified. The window functions number and sum the
--- rows in the order the read rule returns them (its ORDER BY and LIMIT keep it a subquery).
+-- STRICT (a NULL argument reads nothing), no SET, every name and operator qualified. The window
+-- functions number and sum the rows in the order the read rule returns them (its ORDER BY and
+-- LIMIT keep it a subquery, which PostgreSQL reads in that order).
 CREATE FUNCTION outbox._read_window(after_txid pg_catalog.xid8, after_seq bigint, max_events integer,
                                     max_bytes bigint)
 RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
@@ -141,7 +143,8 @@ LANGUAGE sql STABLE AS $$
                    pg_catalog.sum(outbox._event_size(r.payload, r.headers)) OVER upto AS upto
               FROM outbox._read_after(after_txid, after_seq, max_events) r
             WINDOW upto AS (ROWS UNBOUNDED PRECEDING)) w
-     WHERE w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes
+     WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
+       AND max_bytes IS NOT NULL
      ORDER BY w.n
 $$;
 

@@ -68,6 +68,37 @@ pub fn deliver_requested(
     }
 }
 
+/// The replayed dead letter a sink's handler was working on when its worker was ended (it ran
+/// past `pg_outbox.sink_timeout` and did not stop, see `worker::InHandler`): the replay failed.
+/// It goes back to the dead letters with one more attempt and that error, and is not replayed
+/// again until asked, or every pass of the sink would end another worker on it. Runs in the
+/// transaction of the worker started in the ended one's place.
+pub fn after_hang(sink: &str) {
+    if !crate::dispatch::lock_tables() {
+        return;
+    }
+    let failure = crate::dispatch::hang_failure();
+    let position = Spi::get_one_with_args::<String>(
+        "UPDATE outbox.dead_letters d SET attempts = d.attempts + 1, error = $2, sqlstate = $3, \
+                dead_at = pg_catalog.now(), replay_requested_at = NULL \
+          WHERE (d.sink, d.txid, d.seq) = (SELECT f.sink, f.txid, f.seq FROM outbox.dead_letters f \
+                                           WHERE f.sink = $1 AND f.replay_requested_at IS NOT NULL \
+                                           ORDER BY f.txid, f.seq LIMIT 1) \
+         RETURNING d.txid::text || ':' || d.seq::text",
+        &[
+            DatumWithOid::from(sink),
+            DatumWithOid::from(failure.message.as_str()),
+            DatumWithOid::from(failure.sqlstate.as_str()),
+        ],
+    )
+    .unwrap_or(None);
+    if let Some(position) = position {
+        pgrx::warning!(
+            "pg_outbox: sink \"{sink}\" failed on replayed event {position}, back to the dead letters: {failure}"
+        );
+    }
+}
+
 fn request(sink: &str, position: Option<Position>) -> i64 {
     let mut args = vec![DatumWithOid::from(sink)];
     if let Some(p) = position {

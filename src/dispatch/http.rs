@@ -93,7 +93,9 @@ struct Window {
 enum Prepared {
     Absent,
     Contended,
-    Ready(Box<(Sink, Window)>),
+    /// The window, and for a Kafka sink with a backlog the windows after it, read in the same
+    /// transaction to chain behind it.
+    Ready(Box<(Sink, Window, Vec<Window>)>),
     /// A dead letter marked for replay: it goes first, alone.
     Replay(Box<(Sink, Position, Window)>),
     /// The window (its event count and last position) could not be rendered, for this reason.
@@ -109,7 +111,7 @@ pub struct Chain {
     producer: std::sync::Arc<super::kafka::Producer>,
 }
 
-fn lease_and_read(id: &str, chain: Option<&Chain>) -> Prepared {
+fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
     let after = chain.map(|c| c.after);
     // The lease goes back when no window flies, and stays with the windows in flight else.
     let unlock = |key: i32| {
@@ -285,7 +287,11 @@ fn lease_and_read(id: &str, chain: Option<&Chain>) -> Prepared {
         // A window that cannot be rendered goes through the failure policy, as a refusal would.
         let kafka = sink.is_kafka();
         match crate::transaction::in_subtransaction(|| read_window(client, &sink.topic_regex, sink.cursor, max, kafka)) {
-            Ok(window) => Ok(Prepared::Ready(Box::new((sink, window?)))),
+            Ok(window) => {
+                let window = window?;
+                let more = more_windows(client, &sink, &window, flying)?;
+                Ok(Prepared::Ready(Box::new((sink, window, more))))
+            }
             Err(failure) => {
                 let shape = super::window_shape(client, sink.cursor, max)?;
                 Ok(Prepared::Unreadable(Box::new((
@@ -366,6 +372,41 @@ pub(crate) fn kafka_frame(field: &str) -> String {
         .collect::<Vec<_>>()
         .join(" OPERATOR(pg_catalog.||) ");
     format!("(SELECT {frame} FROM (SELECT {fields} OFFSET 0) t)")
+}
+
+/// A Kafka sink's backlog: the windows after `first` that may chain behind it (see
+/// [`InFlight::chain`]), read in the same transaction, each of `batch_size` events, while they
+/// come full. None for an HTTP sink, a sink retrying a failure, or a window that came short. One
+/// that cannot be read ends them: it is read again, alone, once the windows ahead have landed.
+fn more_windows(
+    client: &pgrx::spi::SpiClient<'_>,
+    sink: &Sink,
+    first: &Window,
+    flying: usize,
+) -> Result<Vec<Window>, pgrx::spi::Error> {
+    let healthy = sink.is_kafka()
+        && sink.state.attempts == 0
+        && sink.transient == 0
+        && sink.state.batch >= sink.max_batch;
+    let room = CHAIN_WINDOWS
+        .min(CHAIN_EVENTS.max(sink.max_batch) as usize / sink.max_batch.max(1) as usize)
+        .saturating_sub(flying + 1);
+    let mut more = Vec::new();
+    let mut last = first;
+    while healthy && more.len() < room && last.count as u32 >= sink.max_batch {
+        let Some(after) = last.last else { break };
+        let read = crate::transaction::in_subtransaction(|| {
+            read_window(client, &sink.topic_regex, after, sink.max_batch, true)
+        });
+        let Ok(window) = read else { break };
+        let window = window?;
+        if window.last.is_none() {
+            break;
+        }
+        more.push(window);
+        last = more.last().expect("pushed");
+    }
+    Ok(more)
 }
 
 fn read_window(
@@ -1111,41 +1152,48 @@ pub fn abandon(flight: InFlight) {
 
 pub enum Started {
     Done(PassResult),
-    InFlight(Box<InFlight>),
+    /// A window flies, and the windows chained behind it, oldest first.
+    InFlight(Box<InFlight>, Vec<InFlight>),
 }
 
 /// First half of a pass: lease, read, and the request sent on its own thread. Several sinks'
 /// requests fly at once while the worker goes on (it serves SQL sinks meanwhile).
 /// `after`: the window is chained behind windows of the sink in flight (`InFlight::chain_after`),
 /// under their lease, which it leaves to them.
-pub fn start(id: &str, agents: &mut Agents, chain: Option<Chain>) -> Result<Started, Failure> {
+pub fn start(
+    id: &str,
+    agents: &mut Agents,
+    chain: Option<Chain>,
+    flying: usize,
+) -> Result<Started, Failure> {
     let chained = chain.is_some();
     // The lease goes back with a window that does not fly, unless windows in flight hold it.
     let release = |key: i32| if chained { Ok(()) } else { release(key) };
-    let prepared = in_transaction(|| lease_and_read(id, chain.as_ref())).inspect_err(|_| {
-        // The lease may have been taken before the error: it survives the abort.
-        let _ = (!chained).then(|| {
-            in_transaction(|| {
-                let key = crate::query::one::<i32>(
+    let prepared =
+        in_transaction(|| lease_and_read(id, chain.as_ref(), flying)).inspect_err(|_| {
+            // The lease may have been taken before the error: it survives the abort.
+            let _ = (!chained).then(|| {
+                in_transaction(|| {
+                    let key = crate::query::one::<i32>(
                     "SELECT s.lease_key FROM outbox.sinks s WHERE s.id OPERATOR(pg_catalog.=) $1",
                     &[DatumWithOid::from(id)],
                 );
-                if let Some(key) = key {
-                    unlock(key);
-                }
-            })
-        });
-    })?;
-    let (sink, window, replay) = match prepared {
+                    if let Some(key) = key {
+                        unlock(key);
+                    }
+                })
+            });
+        })?;
+    let (sink, window, more, replay) = match prepared {
         Prepared::Absent => return Ok(Started::Done(PassResult::Skipped)),
         Prepared::Contended => return Ok(Started::Done(PassResult::Contended)),
         Prepared::Ready(ready) => {
-            let (sink, window) = *ready;
-            (sink, window, None)
+            let (sink, window, more) = *ready;
+            (sink, window, more, None)
         }
         Prepared::Replay(replay) => {
             let (sink, position, window) = *replay;
-            (sink, window, Some(position))
+            (sink, window, Vec::new(), Some(position))
         }
         // Chained windows only move on: one that cannot be read waits until the windows ahead
         // are recorded, and goes through the failure policy then, unchained.
@@ -1166,7 +1214,7 @@ pub fn start(id: &str, agents: &mut Agents, chain: Option<Chain>) -> Result<Star
             pgrx::warning!("pg_outbox: {}: {reason}", sink.label());
             let step = record(&sink, window, Outcome::Rejected { reason }, agents);
             return match step {
-                Ok(Step::Neighbour(next)) => Ok(Started::InFlight(next)),
+                Ok(Step::Neighbour(next)) => Ok(Started::InFlight(next, Vec::new())),
                 Ok(Step::Done(result)) => release(sink.lease_key).map(|()| Started::Done(result)),
                 Err(e) => {
                     let _ = release(sink.lease_key);
@@ -1208,13 +1256,40 @@ pub fn start(id: &str, agents: &mut Agents, chain: Option<Chain>) -> Result<Star
         }
         None => fly(&sink, &window, agents),
     };
-    Ok(Started::InFlight(Box::new(InFlight {
-        sink,
-        purpose: Purpose::Window { window, replay },
-        handle,
-        discarded: false,
-        producer,
-    })))
+    // The windows read after it chain behind it, into its producer.
+    let mut behind = Vec::new();
+    if let Some(producer) = producer.as_ref().filter(|_| sink.is_kafka()) {
+        let mut after = last;
+        for window in more {
+            let mut sink = sink.clone();
+            sink.cursor = after;
+            after = window.last.expect("only windows with events are read on");
+            let handle = match window.body {
+                None => spawn_waking(|| Outcome::Delivered, false),
+                Some(_) => fly_kafka(&sink, &window, producer.clone(), false),
+            };
+            behind.push(InFlight {
+                sink,
+                purpose: Purpose::Window {
+                    window,
+                    replay: None,
+                },
+                handle,
+                discarded: false,
+                producer: Some(producer.clone()),
+            });
+        }
+    }
+    Ok(Started::InFlight(
+        Box::new(InFlight {
+            sink,
+            purpose: Purpose::Window { window, replay },
+            handle,
+            discarded: false,
+            producer,
+        }),
+        behind,
+    ))
 }
 
 /// Second half: take the response, record what it means, release the lease (unless the

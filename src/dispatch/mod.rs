@@ -410,14 +410,25 @@ fn deliver(
     neighbour: bool,
     before: usize,
 ) -> Result<(), Failure> {
-    let sql = format!("SELECT {}($1)", sink.call);
-    // SAFETY: the datum is an outbox.event[] read in this SPI connection, still alive.
-    let arg = unsafe { DatumWithOid::new(events, sink.event_array_type) };
     let target = crate::worker::Target::Sink {
         id: &sink.id,
         neighbour,
         before: before.min(u32::MAX as usize) as u32,
     };
+    call_handler(client, sink, events, target)
+}
+
+/// Calls the sink's handler on `events` as [`deliver`] does; `target` says what the call works
+/// on, should it hang.
+fn call_handler(
+    client: &mut SpiClient<'_>,
+    sink: &Sink,
+    events: pg_sys::Datum,
+    target: crate::worker::Target<'_>,
+) -> Result<(), Failure> {
+    let sql = format!("SELECT {}($1)", sink.call);
+    // SAFETY: the datum is an outbox.event[] read in this SPI connection, still alive.
+    let arg = unsafe { DatumWithOid::new(events, sink.event_array_type) };
     as_handler_owner(sink.owner, target, || {
         // select, not update: pgrx's update path asks for a transaction id before the handler
         // runs (see `lease`). The handler, a volatile function, still writes.
@@ -529,7 +540,12 @@ pub fn pass(id: &str) -> PassResult {
             Leased::Absent => return Ok(Err(PassResult::Skipped)),
         };
         match crate::replay::deliver_requested(client, &sink.id, |c, events| {
-            deliver(c, &sink, events, false, 0)
+            call_handler(
+                c,
+                &sink,
+                events,
+                crate::worker::Target::Replay { sink: &sink.id },
+            )
         })? {
             Some(result) => Ok(Err(result)),
             None => Ok(Ok(sink)),
@@ -564,6 +580,12 @@ pub fn pass(id: &str) -> PassResult {
     }
 }
 
+/// Handler calls one pass makes at most, whatever `pg_outbox.pass_max_events` allows: each is a
+/// subtransaction, and a handler that writes gives each its own transaction id, held until the
+/// pass commits. Past 64 of them PostgreSQL's per-backend cache of subtransaction ids overflows,
+/// and every snapshot in the cluster then looks them up in pg_subtrans; each also holds a lock.
+const MAX_CALLS_PER_PASS: usize = 32;
+
 /// How far a pass goes on after its first window.
 struct Reach {
     /// Events handed over at most (the first window is always read whole).
@@ -595,6 +617,7 @@ fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi:
     let policy = settings::policy(sink.max_batch);
     let start = sink.cursor;
     let (mut handed, mut delivered, mut went) = (0usize, 0usize, false);
+    let mut calls = 0usize;
     loop {
         let mut max = sink.state.batch.min(sink.max_batch);
         if reach.exact {
@@ -628,6 +651,7 @@ fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi:
             };
             // Nothing here for this sink's topics: move past the window.
             if let Some(events) = window.events {
+                calls += 1;
                 if let Err(failure) = deliver(client, sink, events, false, handed) {
                     save_progress(client, sink, start, went.then_some(delivered))?;
                     return failed_batch(
@@ -656,6 +680,7 @@ fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi:
         };
         let more = full
             && handed < reach.events
+            && calls < MAX_CALLS_PER_PASS
             && reach.until.is_none_or(|until| Instant::now() < until)
             && !crate::worker::stop_requested();
         if !more {
@@ -788,8 +813,13 @@ pub fn after_hang(id: &str, neighbour: bool, before: u32) {
         };
         if neighbour {
             pgrx::warning!("pg_outbox: sink \"{id}\" is down (its neighbour test hung): {failure}");
-            let AfterNeighbour::Down { state, delay } =
-                policy.after_neighbour(sink.state, Some(false))
+            // The lone event's failures that led to the test were counted in the lost transaction
+            // when the pass handed events over before it: count its failure again first.
+            let state = match policy.after_failure(sink.state, 1) {
+                AfterFailure::TestNeighbour(state) | AfterFailure::Retry { state, .. } => state,
+                AfterFailure::Halve(state) => state,
+            };
+            let AfterNeighbour::Down { state, delay } = policy.after_neighbour(state, Some(false))
             else {
                 unreachable!()
             };
@@ -803,7 +833,16 @@ pub fn after_hang(id: &str, neighbour: bool, before: u32) {
                 0,
             );
         }
-        failed_batch(client, &sink, window.count, last, Some(events), failure, 0).map(|_| ())
+        failed_batch(
+            client,
+            &sink,
+            window.count,
+            last,
+            Some(events),
+            failure,
+            before as usize,
+        )
+        .map(|_| ())
     })
     .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{id}\": {e}"))
 }

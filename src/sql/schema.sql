@@ -121,6 +121,7 @@ LANGUAGE sql STABLE AS $$
       FROM outbox.events e
      WHERE e.txid OPERATOR(pg_catalog.<) outbox._log_horizon()
        AND ROW(e.txid, e.seq) OPERATOR(pg_catalog.>) ROW(after_txid, after_seq)
+       AND after_txid IS NOT NULL AND after_seq IS NOT NULL
      ORDER BY e.txid, e.seq
      LIMIT COALESCE(max_events, 0)
 $$;

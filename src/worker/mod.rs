@@ -31,7 +31,8 @@ const JOBS_MAX: usize = 50;
 /// handler on the same events for ever.
 #[derive(Copy, Clone)]
 struct InHandler {
-    /// 0: none; 1: a sink's batch; 2: a sink's neighbour test; 3: a subscription's jobs.
+    /// 0: none; 1: a sink's batch; 2: a sink's neighbour test; 3: a subscription's jobs; 4: an
+    /// each schedule's query; 5: a sink's replayed dead letter.
     kind: u8,
     name: [u8; 64],
     name_len: u8,
@@ -71,6 +72,8 @@ pub(crate) enum Target<'a> {
     },
     /// The query of an each schedule.
     Schedule { name: &'a str },
+    /// A dead letter replayed to a sink.
+    Replay { sink: &'a str },
 }
 
 /// A handler call that ended its worker: found by the worker started in its place.
@@ -87,6 +90,9 @@ pub(crate) enum Hung {
     },
     Schedule {
         name: String,
+    },
+    Replay {
+        sink: String,
     },
 }
 
@@ -740,6 +746,10 @@ impl HandlerRunning {
                         h.kind = 4;
                         name
                     }
+                    Target::Replay { sink } => {
+                        h.kind = 5;
+                        sink
+                    }
                 };
                 let n = name.len().min(h.name.len());
                 h.name[..n].copy_from_slice(&name.as_bytes()[..n]);
@@ -1117,6 +1127,7 @@ pub(crate) fn slot_started(slot: usize) -> Option<Hung> {
                     ids: h.jobs[..h.jobs_len as usize].to_vec(),
                 },
                 4 => Hung::Schedule { name },
+                5 => Hung::Replay { sink: name },
                 kind => Hung::Sink {
                     id: name,
                     neighbour: kind == 2,

@@ -154,6 +154,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
                 crate::schedule::after_hang(name);
                 Ok(())
             }
+            super::Hung::Replay { sink } => in_transaction(|| crate::replay::after_hang(sink)),
         };
         if let Err(e) = recovered {
             pgrx::warning!("pg_outbox worker {slot}: recording the ended handler call: {e}");
@@ -610,7 +611,6 @@ impl Worker {
         (more, next)
     }
 
-    /// Records the HTTP requests that have landed.
     /// Starts the next window of an HTTP or Kafka sink, and for a Kafka sink goes on while the
     /// windows come full and its chain has room ([`dispatch::http::InFlight::chain`]), so that
     /// a backlog fills the chain at once instead of one window per landing. None: the windows
@@ -638,8 +638,12 @@ impl Worker {
                 },
             };
             activity(&format!("sink \"{sink}\": reading and sending a batch"));
-            match dispatch::http::start(sink, &mut self.agents, chain) {
-                Ok(dispatch::http::Started::InFlight(flight)) => self.in_flight.push(*flight),
+            let flying = flying.len();
+            match dispatch::http::start(sink, &mut self.agents, chain, flying) {
+                Ok(dispatch::http::Started::InFlight(flight, behind)) => {
+                    self.in_flight.push(*flight);
+                    self.in_flight.extend(behind);
+                }
                 Ok(dispatch::http::Started::Done(result)) => return Some(Ok(result)),
                 Err(e) => return Some(Err(e)),
             }
@@ -650,6 +654,7 @@ impl Worker {
         }
     }
 
+    /// Records the HTTP requests that have landed.
     fn finished_flights(
         &mut self,
         results: &mut Vec<(String, Result<PassResult, crate::transaction::Failure>)>,

@@ -396,7 +396,11 @@ fn the_read_rule_reads_the_same_under_a_hostile_search_path() {
          UNION ALL
          SELECT count(*)::text FROM outbox._read_after(NULL, 0, 10)
          UNION ALL
-         SELECT count(*)::text FROM outbox._read_after('0'::xid8, 0, NULL)"
+         SELECT count(*)::text FROM outbox._read_after('0'::xid8, 0, NULL)
+         UNION ALL
+         SELECT count(*)::text FROM outbox._read_after('0'::xid8, NULL, 10)
+         UNION ALL
+         SELECT count(*)::text FROM outbox._read_window('0'::xid8, 0, 10, NULL)"
     );
     let read = |c: &mut postgres::Client| -> Vec<Option<String>> {
         c.query(&reads, &[])
@@ -414,6 +418,12 @@ fn the_read_rule_reads_the_same_under_a_hostile_search_path() {
     );
     assert_eq!(plain[2].as_deref(), Some("0"));
     assert_eq!(plain[3].as_deref(), Some("0"));
+    assert_eq!(
+        plain[4].as_deref(),
+        Some("0"),
+        "a NULL argument reads nothing"
+    );
+    assert_eq!(plain[5].as_deref(), Some("0"));
     c.batch_execute(
         "CREATE SCHEMA evil;
          CREATE FUNCTION evil.t(xid8, xid8) RETURNS boolean LANGUAGE sql AS 'SELECT true';

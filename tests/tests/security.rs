@@ -894,6 +894,38 @@ fn a_sink_handler_that_never_stops_reaches_the_dead_letters_and_the_rest_is_deli
         .map(|r| r.get(0))
         .collect();
     assert_eq!(got, vec![1, 3]);
+    // Replayed, it hangs again: the hang is the replay's failure (one more attempt, not asked
+    // again), never charged to the events after the cursor, which go on arriving.
+    let attempts: i32 = su
+        .query_one("SELECT attempts FROM outbox.dead_letters", &[])
+        .unwrap()
+        .get(0);
+    shipping
+        .batch_execute("SELECT outbox.replay('ship')")
+        .unwrap();
+    eventually(
+        "the replay's hang to be counted",
+        Duration::from_secs(60),
+        || {
+            let row = su
+                .query_one(
+                    "SELECT attempts, replay_requested_at IS NULL FROM outbox.dead_letters",
+                    &[],
+                )
+                .unwrap();
+            (row.get::<_, i32>(0) == attempts + 1 && row.get::<_, bool>(1)).then_some(())
+        },
+    );
+    app.batch_execute("SELECT outbox.raise('a.b', '{\"n\": 4}')")
+        .unwrap();
+    eventually("the next event", Duration::from_secs(30), || {
+        (count(&mut su, "SELECT count(*) FROM shipping.got") == 3).then_some(())
+    });
+    assert_eq!(
+        count(&mut su, "SELECT count(*) FROM outbox.dead_letters"),
+        1,
+        "nothing else was dead-lettered"
+    );
 }
 
 /// The hang in a later batch of a pass: the worker ends with the batches before it uncommitted.

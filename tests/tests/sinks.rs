@@ -79,6 +79,31 @@ fn assert_in_order_once(rows: &[(String, String)]) {
     }
 }
 
+/// Cluster settings changed for one test, put back when it ends, even if it fails.
+struct Settings<'a> {
+    db: &'a TestDb,
+    changed: Vec<(&'static str, &'static str)>,
+}
+
+impl<'a> Settings<'a> {
+    fn set(db: &'a TestDb, changes: &[(&'static str, &str, &'static str)]) -> Self {
+        let mut changed = Vec::new();
+        for (name, value, default) in changes {
+            db.cluster().set(name, value);
+            changed.push((*name, *default));
+        }
+        Settings { db, changed }
+    }
+}
+
+impl Drop for Settings<'_> {
+    fn drop(&mut self) {
+        for (name, default) in self.changed.iter().rev() {
+            self.db.cluster().set(name, default);
+        }
+    }
+}
+
 fn setup(label: &str) -> (TestDb, Client) {
     let db = worker_db(label);
     let mut c = db.connect();
@@ -210,8 +235,13 @@ fn a_poison_event_is_dead_lettered_after_the_neighbour_test_and_everything_else_
 #[test]
 fn a_pass_hands_over_several_batches_in_one_transaction_and_a_failing_one_keeps_those_before() {
     let (db, mut c) = setup("sink_pass");
-    db.cluster().set("pg_outbox.pass_max_time", "10s");
-    db.cluster().set("pg_outbox.poison_after", "2");
+    let _settings = Settings::set(
+        &db,
+        &[
+            ("pg_outbox.pass_max_time", "10s", "50ms"),
+            ("pg_outbox.poison_after", "2", "5"),
+        ],
+    );
     c.batch_execute(
         "CREATE TABLE calls (xid xid8, first int, last int, events int);
          CREATE FUNCTION passes(events outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$ BEGIN
@@ -233,8 +263,6 @@ fn a_pass_hands_over_several_batches_in_one_transaction_and_a_failing_one_keeps_
     )
     .unwrap();
     let rows = wait_ledger(&mut c, "passes", 63, Duration::from_secs(60));
-    db.cluster().set("pg_outbox.pass_max_time", "50ms");
-    db.cluster().set("pg_outbox.poison_after", "5");
     assert_eq!(rows.len(), 63);
     assert_in_order_once(&rows);
     assert!(rows.iter().all(|r| !r.1.contains("poison")));
@@ -389,7 +417,10 @@ fn a_worker_killed_mid_batch_and_a_server_crash_lose_and_duplicate_nothing() {
 /// another's, and not in a way its handler could undo for the commit.
 #[test]
 fn a_sink_altered_to_commit_without_waiting_does_so_and_only_it() {
-    let (_db, mut c) = setup("sink_async");
+    let (db, mut c) = setup("sink_async");
+    // One event per call, the calls of a backlog in one pass: what one call sets must not reach
+    // the next, nor the commit.
+    let _settings = Settings::set(&db, &[("pg_outbox.pass_max_time", "10s", "50ms")]);
     c.batch_execute(
         "CREATE TABLE seen (sink text, setting text);
          CREATE FUNCTION seen_by(events outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$ BEGIN
@@ -398,18 +429,21 @@ fn a_sink_altered_to_commit_without_waiting_does_so_and_only_it() {
            -- What a handler sets is undone when its call ends.
            SET LOCAL synchronous_commit = on;
          END $$;
-         SELECT outbox.create_sink('quick', 'seen_by(outbox.event[])', topics => ARRAY['to.quick']);
-         SELECT outbox.create_sink('careful', 'seen_by(outbox.event[])', topics => ARRAY['to.careful']);
+         SELECT outbox.create_sink('quick', 'seen_by(outbox.event[])', topics => ARRAY['to.quick'],
+                                   batch_size => 1);
+         SELECT outbox.create_sink('careful', 'seen_by(outbox.event[])', topics => ARRAY['to.careful'],
+                                   batch_size => 1);
          SELECT outbox.alter_sink('quick', '{\"synchronous_commit\": false}');
-         SELECT outbox.raise('to.' || s, jsonb_build_object('to', s))
-           FROM unnest(ARRAY['quick', 'careful', 'quick', 'careful']) s;",
+         SELECT outbox.raise_many(ARRAY['to.quick', 'to.careful', 'to.quick', 'to.careful'],
+                                  ARRAY['{\"to\": \"quick\"}', '{\"to\": \"careful\"}',
+                                        '{\"to\": \"quick\"}', '{\"to\": \"careful\"}']::jsonb[]);",
     )
     .unwrap();
     eventually("both sinks' events", Duration::from_secs(30), || {
         (count(&mut c, "SELECT count(*) FROM seen") == 4).then_some(())
     });
     let seen: Vec<(String, String)> = c
-        .query("SELECT DISTINCT sink, setting FROM seen ORDER BY 1", &[])
+        .query("SELECT sink, setting FROM seen ORDER BY 1, 2", &[])
         .unwrap()
         .iter()
         .map(|r| (r.get(0), r.get(1)))
@@ -418,6 +452,8 @@ fn a_sink_altered_to_commit_without_waiting_does_so_and_only_it() {
         seen,
         [
             ("careful".to_string(), "on".to_string()),
+            ("careful".to_string(), "on".to_string()),
+            ("quick".to_string(), "off".to_string()),
             ("quick".to_string(), "off".to_string())
         ]
     );

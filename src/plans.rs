@@ -24,7 +24,8 @@ thread_local! {
 /// call is planned again on its next pass).
 const MAX_KEPT: usize = 512;
 
-/// Runs `sql`, read-only, from its kept plan (prepared on first use for the types of `args`).
+/// Runs `sql`, read-only, from its kept generic plan (prepared on first use for the types of
+/// `args`): the plan cache plans it once, not per run (`NestLevel::for_kept_statement`).
 pub fn select<'conn>(
     client: &SpiClient<'conn>,
     sql: &str,
@@ -32,7 +33,19 @@ pub fn select<'conn>(
     args: &[DatumWithOid<'_>],
 ) -> SpiResult<SpiTupleTable<'conn>> {
     let statement = kept(client, sql, args, false)?;
+    let _generic = crate::isolation::NestLevel::for_kept_statement();
     client.select(&*statement, limit, args)
+}
+
+/// Runs `sql`, a handler call, from its kept plan, under the settings in force: what the handler
+/// plans is planned as the handler's owner would have it.
+pub fn call<'conn>(
+    client: &SpiClient<'conn>,
+    sql: &str,
+    args: &[DatumWithOid<'_>],
+) -> SpiResult<SpiTupleTable<'conn>> {
+    let statement = kept(client, sql, args, false)?;
+    client.select(&*statement, None, args)
 }
 
 /// Runs `sql`, which writes, from its kept plan (prepared on first use for the types of `args`).
@@ -43,6 +56,7 @@ pub fn update<'conn>(
     args: &[DatumWithOid<'_>],
 ) -> SpiResult<SpiTupleTable<'conn>> {
     let statement = kept(client, sql, args, true)?;
+    let _generic = crate::isolation::NestLevel::for_kept_statement();
     client.update(&*statement, limit, args)
 }
 

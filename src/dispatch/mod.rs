@@ -432,7 +432,7 @@ fn call_handler(
     as_handler_owner(sink.owner, target, || {
         // select, not update: pgrx's update path asks for a transaction id before the handler
         // runs (see `lease`). The handler, a volatile function, still writes.
-        plans::select(client, &sql, None, &[arg])
+        plans::call(client, &sql, &[arg])
             .map(|_| ())
             .unwrap_or_else(|e| panic!("{e}"));
     })

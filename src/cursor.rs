@@ -151,24 +151,11 @@ pub fn insert_consumer(name: &str, kind: &str, cursor: Position, owner: pg_sys::
 /// against the row as it is now and changes nothing.
 pub fn save(name: &str, to: Position) -> bool {
     as_owner(|| {
-        Spi::connect_mut(|client| {
-            let moved = crate::plans::update(
-                client,
-                "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, moved_at = now() \
-                  WHERE name = $1 AND (txid, seq) < ($2::xid8, $3) RETURNING true",
-                Some(1),
-                &cursor_args(name, to),
-            )?;
-            if moved.is_empty() {
-                return Ok(None);
-            }
-            moved.first().get_one::<bool>()
-        })
-    })
-    .map(|moved| moved.unwrap_or(false))
-    .or_else(|e| match e {
-        pgrx::spi::Error::InvalidPosition => Ok(false),
-        e => Err(e),
+        crate::plans::applied(
+            "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, moved_at = now() \
+              WHERE name = $1 AND (txid, seq) < ($2::xid8, $3) RETURNING true",
+            &cursor_args(name, to),
+        )
     })
     .unwrap_or_else(|e| panic!("moving cursor of \"{name}\": {e}"))
 }

@@ -60,6 +60,12 @@ pub fn update<'conn>(
     client.update(&*statement, limit, args)
 }
 
+/// Runs `sql`, a write with a RETURNING clause, from its kept plan in an SPI connection of its
+/// own: whether it returned a row (a conditional UPDATE that applied).
+pub fn applied(sql: &str, args: &[DatumWithOid<'_>]) -> SpiResult<bool> {
+    pgrx::spi::Spi::connect_mut(|client| Ok(!update(client, sql, Some(1), args)?.is_empty()))
+}
+
 /// The kept plan of `sql` for arguments of these types, prepared now if it is not yet. Handed
 /// out, not borrowed while it runs: what it runs (a handler) may use another kept statement.
 fn kept(

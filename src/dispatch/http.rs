@@ -640,32 +640,19 @@ fn kind_of(e: &ureq::Error) -> String {
 /// while the request was in flight.
 fn save_cursor(sink: &Sink, to: Position) -> bool {
     crate::owner::as_owner(|| {
-        Spi::connect_mut(|client| {
-            let moved = plans::update(
-                client,
-                "UPDATE outbox.consumers c SET txid = $2::xid8, seq = $3, moved_at = now() \
-                  WHERE c.name = $1 AND (c.txid, c.seq) < ($2::xid8, $3) AND c.rewinds = $4 \
-                    AND EXISTS (SELECT 1 FROM outbox.sinks s WHERE s.id = c.name AND s.lease_key = $5) \
-                 RETURNING true",
-                Some(1),
-                &[
-                    DatumWithOid::from(sink.id.as_str()),
-                    DatumWithOid::from(to.txid.to_string()),
-                    DatumWithOid::from(to.seq),
-                    DatumWithOid::from(sink.rewinds),
-                    DatumWithOid::from(sink.lease_key),
-                ],
-            )?;
-            if moved.is_empty() {
-                return Ok(None);
-            }
-            moved.first().get_one::<bool>()
-        })
-    })
-    .map(|moved| moved.unwrap_or(false))
-    .or_else(|e| match e {
-        pgrx::spi::Error::InvalidPosition => Ok(false),
-        e => Err(e),
+        plans::applied(
+            "UPDATE outbox.consumers c SET txid = $2::xid8, seq = $3, moved_at = now() \
+              WHERE c.name = $1 AND (c.txid, c.seq) < ($2::xid8, $3) AND c.rewinds = $4 \
+                AND EXISTS (SELECT 1 FROM outbox.sinks s WHERE s.id = c.name AND s.lease_key = $5) \
+             RETURNING true",
+            &[
+                DatumWithOid::from(sink.id.as_str()),
+                DatumWithOid::from(to.txid.to_string()),
+                DatumWithOid::from(to.seq),
+                DatumWithOid::from(sink.rewinds),
+                DatumWithOid::from(sink.lease_key),
+            ],
+        )
     })
     .unwrap_or_else(|e| panic!("moving cursor of \"{}\": {e}", sink.id))
 }

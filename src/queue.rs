@@ -312,14 +312,29 @@ fn fail(
     error: default!(Option<&str>, "NULL"),
     retry: default!(Option<bool>, "true"),
 ) -> Option<String> {
-    execute_one::<String>(
+    let state = execute_one::<String>(
         &FAIL,
         vec![
             DatumWithOid::from(job),
             DatumWithOid::from(error),
             DatumWithOid::from(retry),
         ],
-    )
+    );
+    // A retry that comes due before this transaction commits (a claim without a lease held for
+    // longer than the back-off) is announced at commit: the workers' look for jobs coming due
+    // passes over those due before it could see them.
+    if state.as_deref() == Some("waiting") {
+        let due = as_owner(|| {
+            Spi::get_two_with_args::<String, TimestampWithTimeZone>(
+                "SELECT queue, run_at FROM outbox.jobs WHERE id = $1 AND handler IS NULL",
+                &[DatumWithOid::from(job)],
+            )
+        });
+        if let Ok((Some(queue), Some(run_at))) = due {
+            crate::worker::announce_at_commit(&queue, Some(i64::from(run_at)));
+        }
+    }
+    state
 }
 
 /// Extends the lease of a running job; false when it is not running.

@@ -557,7 +557,8 @@ $$;
 -- transaction of its own. Sends one NOTIFY outbox_jobs, '<queue>' per queue of external workers
 -- that got jobs to claim: those in `queues` (committed by applications, announced through shared
 -- memory: an application's transaction never notifies, as NOTIFY serialises committers), those
--- whose waiting jobs' run_at passed after `since` (delayed jobs, retries after a failure), those
+-- whose waiting jobs' run_at passed after `since` (delayed jobs, retries after a failure: a job
+-- due when it was written, run_at <= created_at, was announced at its commit and is not again), those
 -- with running jobs whose lease lapsed after `leases_since` (NULL: not looked for), and with
 -- `every` every queue
 -- with jobs to claim (a worker that starts, or more announcements than shared memory held). Jobs
@@ -593,7 +594,8 @@ BEGIN
            AND (x.name = ANY (queues)
                 OR EXISTS (SELECT FROM outbox.jobs j
                             WHERE j.queue = x.name AND j.state = 'waiting' AND j.run_at <= now()
-                              AND (every OR j.run_at > since) AND j.handler IS NULL)
+                              AND (every OR (j.run_at > since AND j.run_at > j.created_at))
+                              AND j.handler IS NULL)
                 OR ((every OR leases_since IS NOT NULL) AND EXISTS (SELECT FROM outbox.jobs j
                             WHERE j.queue = x.name AND j.state = 'running' AND j.lease_until <= now()
                               AND (every OR j.lease_until > leases_since) AND j.handler IS NULL)))

@@ -588,6 +588,17 @@ fn the_workers_notify_once_per_queue_with_new_or_due_jobs_never_the_application(
     tx.batch_execute("SELECT outbox.enqueue('mail')").unwrap();
     tx.rollback().unwrap();
     assert_eq!(notified(&mut listener, Duration::from_secs(1)), []);
+    // Nothing is announced twice: a job due when it was written is announced at its commit, and
+    // the workers' look for jobs coming due (at least every 10 s, now that they run) passes over
+    // it.
+    app.batch_execute("SELECT outbox.enqueue('mail')").unwrap();
+    assert_eq!(
+        notified(&mut listener, Duration::from_secs(11))
+            .iter()
+            .map(|(_, q)| q.as_str())
+            .collect::<Vec<_>>(),
+        ["mail"]
+    );
     // A delayed job: nothing at commit, a notification when it comes due.
     app.batch_execute("SELECT outbox.enqueue('later', run_at => now() + interval '2 seconds')")
         .unwrap();
@@ -629,6 +640,21 @@ fn the_workers_notify_once_per_queue_with_new_or_due_jobs_never_the_application(
         .unwrap();
     let took = first_notice(&mut listener, "leased", Duration::from_secs(15));
     assert!(took >= Duration::from_millis(900), "{took:?}");
+    // A retry that comes due before its failing transaction commits (a claim without a lease,
+    // held past the 1 s back-off): announced when that transaction commits, not at the next look
+    // for due jobs (which could not see it, and goes by when jobs came due).
+    app.batch_execute("SELECT outbox.enqueue('slow')").unwrap();
+    first_notice(&mut listener, "slow", Duration::from_secs(3));
+    let mut tx = app.transaction().unwrap();
+    tx.batch_execute("SELECT outbox.fail(id, 'slow work') FROM outbox.claim('slow')")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1300));
+    tx.commit().unwrap();
+    let took = first_notice(&mut listener, "slow", Duration::from_secs(9));
+    assert!(
+        took < Duration::from_millis(800),
+        "announced {took:?} after the commit"
+    );
 }
 
 #[test]

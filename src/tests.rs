@@ -13,6 +13,45 @@ mod tests {
     }
 
     #[pg_test]
+    fn kafka_times_and_ids_are_written_as_postgresql_writes_them() {
+        // A Kafka sink's window writes ce_time and ce_id itself (a replayed dead letter's are
+        // written by to_char and uuid::text): the same text for every instant and every id.
+        // Random instants over the years 1 to 9999, and the edges (leap days, ends of months
+        // and years, before and after 2000-01-01, whole seconds).
+        let rows: Vec<(i64, String, pgrx::Uuid, String)> = Spi::connect(|c| {
+            c.select(
+                "WITH t(t) AS (SELECT timestamptz '0001-01-01 00:00:00+00' + random() * interval '9998 years' \
+                                 FROM generate_series(1, 20000) \
+                               UNION ALL SELECT unnest(ARRAY['2000-01-01 00:00:00+00', '1999-12-31 23:59:59.999999+00', \
+                                 '2000-02-29 12:00:00.5+00', '1900-02-28 23:59:59+00', '1900-03-01 00:00:00+00', \
+                                 '2024-02-29 23:59:59.000001+00', '2100-03-01 00:00:00+00', '1970-01-01 00:00:00+00', \
+                                 '0001-01-01 00:00:00+00', '9999-12-31 23:59:59.999999+00', \
+                                 '1600-02-29 06:07:08.09+00']::timestamptz[])) \
+                 SELECT ((extract(epoch FROM t) - 946684800) * 1000000)::int8, \
+                        to_char(t AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), u, u::text \
+                   FROM t, LATERAL (SELECT gen_random_uuid() AS u WHERE t IS NOT NULL) g",
+                None,
+                &[],
+            )
+            .unwrap()
+            .map(|r| {
+                (
+                    r.get::<i64>(1).unwrap().unwrap(),
+                    r.get::<String>(2).unwrap().unwrap(),
+                    r.get::<pgrx::Uuid>(3).unwrap().unwrap(),
+                    r.get::<String>(4).unwrap().unwrap(),
+                )
+            })
+            .collect()
+        });
+        assert_eq!(rows.len(), 20011);
+        for (micros, time, id, text) in rows {
+            assert_eq!(crate::dispatch::kafka::utc_time(micros), time, "{micros}");
+            assert_eq!(crate::dispatch::kafka::uuid_text(&id), text);
+        }
+    }
+
+    #[pg_test]
     fn the_workers_lock_every_relation_of_the_extension_before_a_step() {
         // DROP EXTENSION locks each member relation in its own order; a worker step that held
         // some and then waited on another would deadlock with it. So a step takes every member

@@ -305,33 +305,171 @@ fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
     .unwrap_or_else(|e: pgrx::spi::Error| panic!("preparing sink \"{id}\": {e}"))
 }
 
-/// The window of the events after `after` that the sink's topics match: the CloudEvents batch of
-/// an HTTP sink, or a Kafka sink's events framed for `kafka::messages` (see [`kafka_frame`]).
-fn window_sql(kafka: bool) -> &'static str {
-    static SQL: std::sync::OnceLock<[String; 2]> = std::sync::OnceLock::new();
-    let [http, kafka_sql] = SQL.get_or_init(|| {
-        let head = "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
-                           count(*) FILTER (WHERE m.ok)::int8, ";
-        let tail = ", pg_catalog.array_agg(r.id::text ORDER BY r.n) FILTER (WHERE m.ok) \
-             FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $5) r \
-            CROSS JOIN LATERAL (SELECT $4::text IS NULL OR r.topic ~ $4 AS ok) m";
-        [
-            format!(
-                "{head}(pg_catalog.jsonb_agg(outbox._cloudevent(e.e) ORDER BY r.n) FILTER (WHERE m.ok))::text{tail} \
-                 CROSS JOIN LATERAL (SELECT ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, \
-                                                r.headers, r.raised_at)::outbox.event AS e) e"
-            ),
-            format!(
-                "{head}pg_catalog.string_agg({}, '' ORDER BY r.n) FILTER (WHERE m.ok){tail}",
-                kafka_frame("r.{}")
-            ),
-        ]
-    });
-    if kafka {
-        kafka_sql
-    } else {
-        http
+/// An HTTP sink's window after `$1`/`$2`: its count, last position and matching count, the
+/// CloudEvents batch of the events the sink's topics match, and their ids.
+const HTTP_WINDOW: &str =
+    "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
+        count(*) FILTER (WHERE m.ok)::int8, \
+        (pg_catalog.jsonb_agg(outbox._cloudevent(e.e) ORDER BY r.n) FILTER (WHERE m.ok))::text, \
+        pg_catalog.array_agg(r.id::text ORDER BY r.n) FILTER (WHERE m.ok) \
+   FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $5) r \
+  CROSS JOIN LATERAL (SELECT $4::text IS NULL OR r.topic ~ $4 AS ok) m \
+  CROSS JOIN LATERAL (SELECT ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, \
+                                 r.headers, r.raised_at)::outbox.event AS e) e";
+
+/// A Kafka sink's windows, read in one statement: up to `windows` windows after `after`, each of
+/// `max` events at most, cut as `outbox._read_window` cuts one (the first event whatever its size,
+/// then while the sizes add up to at most `pg_outbox.max_batch_bytes`), and none after one that
+/// came short. Each event is framed here as [`kafka_frame`] frames it in SQL (`kafka::messages`
+/// reads either); the statement makes only the text PostgreSQL must (the payload and headers as
+/// JSON text), and only for the events the sink's topics match. One statement for many windows,
+/// because a statement's fixed cost is most of a 128-event window's.
+fn read_kafka_windows(
+    client: &pgrx::spi::SpiClient<'_>,
+    topic_regex: &Option<String>,
+    after: Position,
+    max: u32,
+    windows: usize,
+) -> Result<Vec<Window>, pgrx::spi::Error> {
+    /// An event the sink's topics match: its id and time, and its topic, subject, tenant,
+    /// headers and payload.
+    type Matched<'a> = (pgrx::Uuid, Option<i64>, [Option<&'a str>; 5]);
+    struct Row<'a> {
+        position: Position,
+        text: &'a str,
+        event: Option<Matched<'a>>,
+        size: i64,
     }
+    let limit = (max as usize)
+        .saturating_mul(windows.max(1))
+        .min(i32::MAX as usize);
+    let table = plans::select(
+        client,
+        "SELECT r.position, m.ok, r.id, r.topic, r.subject, r.tenant, \
+                CASE WHEN m.ok THEN r.headers::pg_catalog.text END, r.raised_at, \
+                CASE WHEN m.ok THEN r.payload::pg_catalog.text END, \
+                outbox._event_size(r.payload, r.headers) \
+           FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) r \
+          CROSS JOIN LATERAL (SELECT $4::pg_catalog.text IS NULL OR r.topic OPERATOR(pg_catalog.~) $4 AS ok) m",
+        None,
+        &[
+            DatumWithOid::from(after.txid.to_string()),
+            DatumWithOid::from(after.seq),
+            DatumWithOid::from(limit as i32),
+            DatumWithOid::from(topic_regex.clone()),
+        ],
+    )?;
+    let mut rows = Vec::with_capacity(table.len());
+    for row in table {
+        let text: &str = row.get(1)?.expect("position");
+        let event = if row.get::<bool>(2)?.unwrap_or(false) {
+            Some((
+                row.get::<pgrx::Uuid>(3)?.expect("id"),
+                row.get::<pgrx::datum::TimestampWithTimeZone>(8)?
+                    .map(i64::from),
+                [
+                    row.get(4)?,
+                    row.get(5)?,
+                    row.get(6)?,
+                    row.get(7)?,
+                    row.get(9)?,
+                ],
+            ))
+        } else {
+            None
+        };
+        rows.push(Row {
+            position: text.parse().expect("positions are well-formed"),
+            text,
+            event,
+            size: row.get(10)?.unwrap_or(0),
+        });
+    }
+    // The read rule's order (its statement sorts; kept here whatever the plan above it does).
+    if !rows.is_sorted_by_key(|r| r.position) {
+        rows.sort_by_key(|r| r.position);
+    }
+    let cuts = cut_windows(
+        rows.iter().map(|r| r.size),
+        max as usize,
+        settings::MAX_BATCH_BYTES.get() as i64,
+        windows,
+    );
+    let mut out: Vec<Window> = Vec::with_capacity(cuts.len());
+    let mut rows = rows.into_iter();
+    for count in cuts {
+        let mut window = Window {
+            count,
+            last: None,
+            matching: 0,
+            body: None,
+            ids: Vec::new(),
+        };
+        let mut body = String::new();
+        for row in rows.by_ref().take(count) {
+            window.last = Some(row.position);
+            let Some((id, time, [topic, subject, tenant, headers, payload])) = row.event else {
+                continue;
+            };
+            window.matching += 1;
+            let id = super::kafka::uuid_text(&id);
+            let time = time.map(super::kafka::utc_time);
+            for field in [
+                Some(id.as_str()),
+                Some(row.text),
+                topic,
+                subject,
+                tenant,
+                headers,
+                time.as_deref(),
+                payload,
+            ] {
+                match field {
+                    None => body.push('~'),
+                    Some(text) => {
+                        use std::fmt::Write;
+                        let _ = write!(body, "{}:", text.len());
+                        body.push_str(text);
+                    }
+                }
+            }
+            window.ids.push(id);
+        }
+        if window.matching > 0 {
+            window.body = Some(body);
+        }
+        out.push(window);
+    }
+    Ok(out)
+}
+
+/// How many of the events whose sizes come in order go into each window, for at most `windows`
+/// windows: `max` events each at most, the first of a window whatever its size, the next while
+/// the window's sizes add up to at most `max_bytes` (the rule of `outbox._read_window`); none
+/// after a window that came short (the events after it are read again once it is delivered).
+fn cut_windows(
+    sizes: impl Iterator<Item = i64>,
+    max: usize,
+    max_bytes: i64,
+    windows: usize,
+) -> Vec<usize> {
+    let mut cuts: Vec<usize> = Vec::new();
+    let (mut count, mut bytes) = (0usize, 0i64);
+    for size in sizes {
+        if count > 0 && (count >= max || bytes.saturating_add(size) > max_bytes) {
+            cuts.push(count);
+            if count < max || cuts.len() >= windows.max(1) {
+                return cuts;
+            }
+            (count, bytes) = (0, 0);
+        }
+        count += 1;
+        bytes = bytes.saturating_add(size);
+    }
+    if count > 0 {
+        cuts.push(count);
+    }
+    cuts
 }
 
 /// One event framed for a Kafka sink (`kafka::messages` reads it), from the fields `field` names
@@ -391,22 +529,19 @@ fn more_windows(
     let room = CHAIN_WINDOWS
         .min(CHAIN_EVENTS.max(sink.max_batch) as usize / sink.max_batch.max(1) as usize)
         .saturating_sub(flying + 1);
-    let mut more = Vec::new();
-    let mut last = first;
-    while healthy && more.len() < room && last.count as u32 >= sink.max_batch {
-        let Some(after) = last.last else { break };
-        let read = crate::transaction::in_subtransaction(|| {
-            read_window(client, &sink.topic_regex, after, sink.max_batch, true)
-        });
-        let Ok(window) = read else { break };
-        let window = window?;
-        if window.last.is_none() {
-            break;
-        }
-        more.push(window);
-        last = more.last().expect("pushed");
+    let Some(after) = first
+        .last
+        .filter(|_| healthy && room > 0 && first.count as u32 >= sink.max_batch)
+    else {
+        return Ok(Vec::new());
+    };
+    let read = crate::transaction::in_subtransaction(|| {
+        read_kafka_windows(client, &sink.topic_regex, after, sink.max_batch, room)
+    });
+    match read {
+        Ok(windows) => windows,
+        Err(_) => Ok(Vec::new()),
     }
-    Ok(more)
 }
 
 fn read_window(
@@ -416,9 +551,20 @@ fn read_window(
     max: u32,
     kafka: bool,
 ) -> Result<Window, pgrx::spi::Error> {
+    if kafka {
+        return read_kafka_windows(client, topic_regex, after, max, 1).map(|w| {
+            w.into_iter().next().unwrap_or(Window {
+                count: 0,
+                last: None,
+                matching: 0,
+                body: None,
+                ids: Vec::new(),
+            })
+        });
+    }
     let t = plans::select(
         client,
-        window_sql(kafka),
+        HTTP_WINDOW,
         Some(1),
         &[
             DatumWithOid::from(after.txid.to_string()),
@@ -503,11 +649,17 @@ struct Flying {
     /// cannot be recorded before them, so it wakes nobody until it is the oldest (see
     /// `InFlight::wake_when_landed`).
     wake: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Set, before `done`, when its outcome is `Delivered`: the worker reads it without joining.
+    delivered: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Flying {
     fn landed(&self) -> bool {
         self.done.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn delivered(&self) -> bool {
+        self.landed() && self.delivered.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 
@@ -606,9 +758,15 @@ fn spawn_waking<F: FnOnce() -> Outcome + Send + 'static>(work: F, wake: bool) ->
         }
     }
     let landed = Landed(done.clone(), wake.clone(), latch);
+    let delivered = std::sync::Arc::new(AtomicBool::new(false));
+    let was_delivered = delivered.clone();
     let work = move || {
         let _landed = landed;
-        work()
+        let outcome = work();
+        if matches!(outcome, Outcome::Delivered) {
+            was_delivered.store(true, SeqCst);
+        }
+        outcome
     };
     // SAFETY: plain signal-mask calls on this thread; the new thread inherits the blocked mask,
     // and this thread's own mask is put back right after.
@@ -621,7 +779,12 @@ fn spawn_waking<F: FnOnce() -> Outcome + Send + 'static>(work: F, wake: bool) ->
         libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
         handle
     };
-    Flying { handle, done, wake }
+    Flying {
+        handle,
+        done,
+        wake,
+        delivered,
+    }
 }
 
 fn kind_of(e: &ureq::Error) -> String {
@@ -1028,7 +1191,7 @@ pub struct InFlight {
 
 /// Windows of one Kafka sink that fly at once, at most: they produce in order into one producer
 /// while the worker reads the next (see `InFlight::chain_after`).
-const CHAIN_WINDOWS: usize = 8;
+const CHAIN_WINDOWS: usize = 32;
 /// Events in the windows of one Kafka sink in flight at once, at most (one window, at least).
 const CHAIN_EVENTS: u32 = 4096;
 
@@ -1064,6 +1227,15 @@ impl InFlight {
 
     pub fn discarded(&self) -> bool {
         self.discarded
+    }
+
+    /// A window of the sink (not a replay or a neighbour test) that landed delivered, whose
+    /// outcome counts: it may be recorded together with the delivered window before it
+    /// (see [`finish`]).
+    pub fn delivered_window(&self) -> bool {
+        matches!(self.purpose, Purpose::Window { replay: None, .. })
+            && !self.discarded
+            && self.handle.delivered()
     }
 
     /// The chain a window behind this one joins, if one may: this is a healthy Kafka sink's
@@ -1281,7 +1453,21 @@ pub fn start(
 
 /// Second half: take the response, record what it means, release the lease (unless the
 /// neighbour test goes out first, or `keep_lease`: other windows of the sink still fly).
-pub fn finish(flight: InFlight, agents: &mut Agents, keep_lease: bool) -> Landed {
+pub fn finish(
+    flight: InFlight,
+    also: Vec<InFlight>,
+    agents: &mut Agents,
+    keep_lease: bool,
+) -> Landed {
+    if !also.is_empty() {
+        let result = record_delivered(flight, also);
+        let released = if keep_lease {
+            Ok(())
+        } else {
+            release(result.1)
+        };
+        return Landed::Recorded(result.0.and_then(|r| released.map(|()| r)));
+    }
     let InFlight {
         sink,
         purpose,
@@ -1319,6 +1505,68 @@ pub fn finish(flight: InFlight, agents: &mut Agents, keep_lease: bool) -> Landed
         release(sink.lease_key)
     };
     Landed::Recorded(result.and_then(|r| released.map(|()| r)))
+}
+
+/// Windows of one sink that landed delivered, each chained behind the one before
+/// ([`InFlight::delivered_window`]): recorded in one transaction, the cursor moved past the last of
+/// them, as recording each in turn would have (one commit, not one per window). Returns the
+/// result and the sink's lease key.
+fn record_delivered(first: InFlight, also: Vec<InFlight>) -> (Result<PassResult, Failure>, i32) {
+    let sink = first.sink;
+    let mut windows = Vec::with_capacity(also.len() + 1);
+    for flight in std::iter::once((first.purpose, first.handle)).chain(also.into_iter().map(|f| {
+        debug_assert_eq!(f.sink.lease_key, sink.lease_key);
+        (f.purpose, f.handle)
+    })) {
+        let (
+            Purpose::Window {
+                window,
+                replay: None,
+            },
+            handle,
+        ) = flight
+        else {
+            unreachable!("only windows of the sink are recorded together");
+        };
+        let outcome = join(handle);
+        debug_assert!(matches!(outcome, Outcome::Delivered));
+        windows.push(window);
+    }
+    let last = windows
+        .last()
+        .and_then(|w| w.last)
+        .expect("a request is sent only for a non-empty window");
+    let events: usize = windows.iter().map(|w| w.matching).sum();
+    let full = windows
+        .last()
+        .is_some_and(|w| w.count as u32 >= sink.state.batch);
+    let result =
+        save_delivered(&sink, last, events).map(|()| PassResult::Delivered { events, full });
+    (result, sink.lease_key)
+}
+
+/// Records that the sink's events up to `last` were delivered (`events` of them matching): the
+/// cursor moves past them and the failure policy's state is reset, in one transaction.
+fn save_delivered(sink: &Sink, last: Position, events: usize) -> Result<(), Failure> {
+    let policy = settings::policy(sink.max_batch);
+    in_transaction(|| {
+        if !sink.synchronous_commit {
+            crate::isolation::commit_without_waiting_for_flush();
+        }
+        save_cursor(sink, last);
+        Spi::connect_mut(|c| {
+            save_state(
+                c,
+                &sink.id,
+                policy.after_success(sink.state),
+                None,
+                false,
+                None,
+                events,
+            )
+        })
+    })?
+    .map_err(|e| failure(&e.to_string()))
 }
 
 /// What `record` decided.
@@ -1400,27 +1648,9 @@ fn record(
         .last
         .expect("a request is sent only for a non-empty window");
     let full = window.count as u32 >= sink.state.batch;
-    let policy = settings::policy(sink.max_batch);
     match outcome {
         Outcome::Delivered => {
-            in_transaction(|| {
-                if !sink.synchronous_commit {
-                    crate::isolation::commit_without_waiting_for_flush();
-                }
-                save_cursor(sink, last);
-                Spi::connect_mut(|c| {
-                    save_state(
-                        c,
-                        &sink.id,
-                        policy.after_success(sink.state),
-                        None,
-                        false,
-                        None,
-                        window.matching,
-                    )
-                })
-            })?
-            .map_err(|e| failure(&e.to_string()))?;
+            save_delivered(sink, last, window.matching)?;
             Ok(Step::Done(PassResult::Delivered {
                 events: window.matching,
                 full,
@@ -1599,5 +1829,31 @@ fn after_neighbour(
             record_failure(sink, state, Some(delay), neighbour_ok.is_some(), &reason)?;
             Ok(PassResult::Failed)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cut_windows;
+
+    #[test]
+    fn windows_are_cut_by_count_and_bytes_and_end_after_a_short_one() {
+        let cut = |sizes: &[i64], max, bytes, windows| {
+            cut_windows(sizes.iter().copied(), max, bytes, windows)
+        };
+        // By count: full windows, then the rest of the log.
+        assert_eq!(cut(&[1; 10], 4, 100, 8), [4, 4, 2]);
+        // No more windows than asked for, full ones.
+        assert_eq!(cut(&[1; 10], 4, 100, 2), [4, 4]);
+        assert_eq!(cut(&[1; 10], 4, 100, 0), [4]);
+        // By bytes: at most 10 per window, the first event of one whatever its size; a window cut
+        // by its bytes is short, and ends the windows read.
+        assert_eq!(cut(&[3, 3, 3, 3, 3], 4, 10, 8), [3]);
+        assert_eq!(cut(&[30, 3, 3], 4, 10, 8), [1]);
+        assert_eq!(cut(&[10, 3], 4, 10, 8), [1]);
+        assert_eq!(cut(&[4, 6, 1, 1], 2, 10, 8), [2, 2]);
+        assert_eq!(cut(&[i64::MAX, i64::MAX], 4, 10, 8), [1]);
+        // Nothing to read, nothing cut.
+        assert_eq!(cut(&[], 4, 10, 8), Vec::<usize>::new());
     }
 }

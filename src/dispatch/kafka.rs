@@ -20,8 +20,10 @@
 use pg_outbox_core::http::Outcome;
 use pg_outbox_core::kafka::{self as rules, Key, TopicTemplate};
 use rdkafka_sys::bindings as rd;
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -68,16 +70,25 @@ struct Context {
     /// `pg_outbox.kafka_allowed_brokers` when the producer was made: checked for every broker it
     /// connects to, those the cluster's metadata names too.
     allowed_brokers: String,
-    /// Delivery reports not yet taken, by window: (message index, error). Several windows of one
-    /// sink may fly at once, each waited for on a thread of its own.
-    reports: Mutex<HashMap<u32, Vec<(usize, c_int)>>>,
-    /// Signalled when a report comes in, or when the thread polling for them stops.
-    reported: Condvar,
-    /// A thread is in `rd_kafka_poll` (delivery callbacks run there): the others wait on
-    /// `reported` meanwhile.
+    /// Delivery reports not yet taken, and the windows' threads waiting for theirs.
+    reports: Mutex<Reports>,
+    /// A thread is in `rd_kafka_poll` (delivery callbacks run there): the others wait meanwhile,
+    /// parked (see `Producer::poll`).
     polling: std::sync::atomic::AtomicBool,
     /// The last connection `on_connect` refused, and why.
     refused: Mutex<Option<String>>,
+}
+
+/// Delivery reports by window. Several windows of one sink fly at once, each waited for on a
+/// thread of its own, while one of them polls for all.
+#[derive(Default)]
+struct Reports {
+    /// By window ticket: (message index, error), not yet taken.
+    taken: HashMap<u32, Vec<(usize, c_int)>>,
+    /// The threads parked while another polls, by the ticket each waits for. Each is woken when
+    /// reports for its window came in, or to poll in turn: never all of them for every report (a
+    /// window of 128 messages would wake every other window's thread 128 times).
+    waiting: Vec<(u32, std::thread::Thread)>,
 }
 
 /// A librdkafka producer, shared by the worker (which keeps it between windows) and the thread
@@ -146,13 +157,14 @@ unsafe extern "C" fn on_delivery(
             std::ptr::addr_of!((*message).err).cast::<c_int>().read(),
         )
     };
+    // The thread that polls wakes the windows' threads once the poll is over.
     if let Ok(mut reports) = context.reports.lock() {
         reports
+            .taken
             .entry((opaque >> 32) as u32)
             .or_default()
             .push((opaque & 0xffff_ffff, err));
     }
-    context.reported.notify_all();
 }
 
 /// Connect callback: runs on librdkafka's broker threads, for every connection it opens. Refuses
@@ -258,8 +270,7 @@ impl Producer {
         let context = Box::into_raw(Box::new(Context {
             allow,
             allowed_brokers: allowed_brokers.to_string(),
-            reports: Mutex::new(HashMap::new()),
-            reported: Condvar::new(),
+            reports: Mutex::new(Reports::default()),
             polling: std::sync::atomic::AtomicBool::new(false),
             refused: Mutex::new(None),
         }));
@@ -431,7 +442,7 @@ impl Producer {
             Err(outcome) => outcome,
         };
         if let Ok(mut reports) = self.context().reports.lock() {
-            reports.remove(&ticket);
+            reports.taken.remove(&ticket);
         }
         if !matches!(outcome, Outcome::Delivered) {
             self.retired.store(true, Ordering::Release);
@@ -471,9 +482,9 @@ impl Producer {
     }
 
     /// Serves delivery reports for up to `wait`: in `rd_kafka_poll` if no other thread is, else
-    /// waiting for that thread to hand some out (or to stop polling). Whatever changes what a
-    /// waiter looks at (a report, the end of a poll) changes it under the `reports` lock and then
-    /// signals, so no wakeup is lost.
+    /// parked until that thread hands some out for this window, or passes polling on to it. The
+    /// poll ends under the `reports` lock, under which a waiter checks before it parks: no
+    /// wakeup is lost (an unpark before the park makes the park return at once).
     fn poll(&self, ticket: u32, wait: Duration) {
         let context = self.context();
         if context
@@ -483,18 +494,38 @@ impl Producer {
         {
             // SAFETY: a valid handle; delivery callbacks run here, on this thread.
             unsafe { rd::rd_kafka_poll(self.rk, wait.as_millis().clamp(1, 100) as c_int) };
-            let held = context.reports.lock();
+            let Ok(mut reports) = context.reports.lock() else {
+                context.polling.store(false, Ordering::Release);
+                return;
+            };
             context.polling.store(false, Ordering::Release);
-            drop(held);
-            context.reported.notify_all();
-        } else if let Ok(reports) = context.reports.lock() {
-            let mine = reports.get(&ticket).is_some_and(|r| !r.is_empty());
+            // Those with reports, and the oldest of the others, which polls next should this
+            // thread's window be done.
+            let Reports { taken, waiting } = &mut *reports;
+            let next = waiting
+                .iter()
+                .filter(|(t, _)| taken.get(t).is_none_or(|r| r.is_empty()))
+                .map(|(t, _)| t.wrapping_sub(ticket))
+                .min();
+            waiting.retain(|(t, thread)| {
+                let wake = taken.get(t).is_some_and(|r| !r.is_empty())
+                    || Some(t.wrapping_sub(ticket)) == next;
+                if wake {
+                    thread.unpark();
+                }
+                !wake
+            });
+        } else if let Ok(mut reports) = context.reports.lock() {
+            let mine = reports.taken.get(&ticket).is_some_and(|r| !r.is_empty());
             if mine || !context.polling.load(Ordering::Acquire) {
                 return;
             }
-            let _ = context
-                .reported
-                .wait_timeout(reports, wait.min(Duration::from_millis(100)));
+            reports.waiting.push((ticket, std::thread::current()));
+            drop(reports);
+            std::thread::park_timeout(wait.min(Duration::from_millis(100)));
+            if let Ok(mut reports) = context.reports.lock() {
+                reports.waiting.retain(|(t, _)| *t != ticket);
+            }
         }
     }
 
@@ -515,7 +546,7 @@ impl Producer {
                 .reports
                 .lock()
                 .ok()
-                .and_then(|mut r| r.get_mut(&ticket).map(std::mem::take))
+                .and_then(|mut r| r.taken.get_mut(&ticket).map(std::mem::take))
                 .unwrap_or_default();
             for (i, err) in reports {
                 if i >= done.len() || done[i] {
@@ -709,12 +740,12 @@ impl Drop for Turn<'_> {
 }
 
 /// One message, ready for the wire.
-pub struct Message {
-    id: String,
-    topic: CString,
-    key: Option<Vec<u8>>,
-    value: Vec<u8>,
-    headers: Vec<(CString, Vec<u8>)>,
+pub struct Message<'a> {
+    id: &'a str,
+    topic: Rc<CString>,
+    key: Option<&'a [u8]>,
+    value: &'a [u8],
+    headers: Vec<(Cow<'a, CStr>, Cow<'a, [u8]>)>,
 }
 
 /// Where and how a sink's events go.
@@ -724,6 +755,47 @@ pub struct Target {
     pub key: Key,
     /// `ce_source`: `/pg_outbox/<database>`.
     pub source: String,
+}
+
+/// A UUID's text form (`8-4-4-4-12` lowercase hex digits), as PostgreSQL writes it.
+pub fn uuid_text(id: &pgrx::Uuid) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(36);
+    for (i, byte) in id.as_bytes().iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            out.push('-');
+        }
+        out.push(HEX[usize::from(byte >> 4)] as char);
+        out.push(HEX[usize::from(byte & 0xf)] as char);
+    }
+    out
+}
+
+/// A `timestamptz` (microseconds since 2000-01-01 UTC) as `ce_time` carries it, in UTC:
+/// `YYYY-MM-DDTHH:MM:SS.ffffffZ`, as `to_char(t AT TIME ZONE 'UTC',
+/// 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')` writes it for the years 1 to 9999.
+pub fn utc_time(t: i64) -> String {
+    const DAY: i64 = 86_400_000_000;
+    let days = t.div_euclid(DAY);
+    let micros = t.rem_euclid(DAY);
+    // Days since 1970-01-01, then the civil date (Howard Hinnant's days_from_civil inverse).
+    let z = days + 10_957 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let seconds = micros / 1_000_000;
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
+        seconds / 3600,
+        seconds / 60 % 60,
+        seconds % 60,
+        micros % 1_000_000
+    )
 }
 
 /// The next field of a frame (`http::kafka_frame`): `<bytes>:<text>`, or `~` for NULL.
@@ -747,14 +819,17 @@ fn next_field<'a>(frame: &mut &'a str) -> Result<Option<&'a str>, String> {
 }
 
 /// The messages of a window, from its events framed by `http::kafka_frame`; or why an event cannot
-/// become one (a Kafka topic name its template cannot make): a refusal for good.
-pub fn messages(target: &Target, window: &str) -> Result<Vec<Message>, String> {
+/// become one (a Kafka topic name its template cannot make): a refusal for good. They borrow the
+/// window's text (librdkafka copies what it keeps): most of a message is a few pointers into it.
+pub fn messages<'a>(target: &'a Target, window: &'a str) -> Result<Vec<Message<'a>>, String> {
     let cstring = |s: &str| CString::new(s.replace('\0', "")).expect("no NUL left");
     let mut rest = window;
     let mut messages = Vec::new();
+    // The Kafka topics of this window's events so far (a window has one or a few).
+    let mut topics: Vec<(&str, Rc<CString>)> = Vec::new();
     while !rest.is_empty() {
         let mut field = || next_field(&mut rest);
-        let id = field()?.unwrap_or_default().to_string();
+        let id = field()?.unwrap_or_default();
         let position = field()?.unwrap_or_default();
         let topic = field()?.unwrap_or_default();
         let subject = field()?;
@@ -762,35 +837,50 @@ pub fn messages(target: &Target, window: &str) -> Result<Vec<Message>, String> {
         let own = field()?;
         let time = field()?.unwrap_or_default();
         let value = field()?.unwrap_or_default();
-        let kafka_topic = target
-            .template
-            .render(topic)
-            .map_err(|why| format!("event {id}: {why}"))?;
+        let kafka_topic = match topics.iter().find(|(t, _)| *t == topic) {
+            Some((_, made)) => made.clone(),
+            None => {
+                let made = Rc::new(cstring(
+                    &target
+                        .template
+                        .render(topic)
+                        .map_err(|why| format!("event {id}: {why}"))?,
+                ));
+                topics.push((topic, made.clone()));
+                made
+            }
+        };
         let key = match target.key {
             Key::Subject => subject,
             Key::Tenant => tenant,
             Key::None => None,
         };
-        let mut headers: Vec<(CString, Vec<u8>)> = Vec::with_capacity(10);
-        let mut header = |name: &str, value: &str| {
-            headers.push((cstring(name), value.as_bytes().to_vec()));
+        let mut headers: Vec<(Cow<'a, CStr>, Cow<'a, [u8]>)> = Vec::with_capacity(10);
+        let mut header = |name: &'static CStr, value: &'a str| {
+            headers.push((Cow::Borrowed(name), Cow::Borrowed(value.as_bytes())));
         };
-        header("ce_specversion", "1.0");
-        header("ce_id", &id);
-        header("ce_source", &target.source);
-        header("ce_type", topic);
-        header("ce_time", time);
-        header("ce_position", position);
-        header("content-type", "application/json");
+        header(c"ce_specversion", "1.0");
+        header(c"ce_id", id);
+        header(c"ce_source", &target.source);
+        header(c"ce_type", topic);
+        header(c"ce_time", time);
+        header(c"ce_position", position);
+        header(c"content-type", "application/json");
         if let Some(s) = subject {
-            header("ce_subject", s);
+            header(c"ce_subject", s);
         }
         if let Some(t) = tenant {
-            header("ce_tenant", t);
+            header(c"ce_tenant", t);
         }
         if let Some(own) = own.filter(|h| *h != "{}") {
             let own: serde_json::Map<String, serde_json::Value> = serde_json::from_str(own)
                 .map_err(|e| format!("reading the headers of event {id}: {e}"))?;
+            let mut header = |name: &str, value: &str| {
+                headers.push((
+                    Cow::Owned(cstring(name)),
+                    Cow::Owned(value.as_bytes().to_vec()),
+                ));
+            };
             for name in ["traceparent", "tracestate"] {
                 if let Some(serde_json::Value::String(v)) = own.get(name) {
                     header(&format!("ce_{name}"), v);
@@ -811,9 +901,9 @@ pub fn messages(target: &Target, window: &str) -> Result<Vec<Message>, String> {
         }
         messages.push(Message {
             id,
-            topic: cstring(&kafka_topic),
-            key: key.map(|k| k.as_bytes().to_vec()),
-            value: value.as_bytes().to_vec(),
+            topic: kafka_topic,
+            key: key.map(str::as_bytes),
+            value: value.as_bytes(),
             headers,
         });
     }
@@ -927,7 +1017,7 @@ mod tests {
         assert_eq!(m.len(), 2);
         assert_eq!(m[0].id, "01a2-1");
         assert_eq!(m[0].topic.to_str().unwrap(), "shop.order.placed");
-        assert_eq!(m[0].key.as_deref(), Some("órder/61:~".as_bytes()));
+        assert_eq!(m[0].key, Some("órder/61:~".as_bytes()));
         assert_eq!(m[0].value, br#"{"order": 61, "note": "2:~"}"#);
         let headers = |m: &Message| -> Vec<(String, String)> {
             m.headers
@@ -935,7 +1025,7 @@ mod tests {
                 .map(|(k, v)| {
                     (
                         k.to_str().unwrap().to_string(),
-                        String::from_utf8(v.clone()).unwrap(),
+                        String::from_utf8(v.to_vec()).unwrap(),
                     )
                 })
                 .collect()

@@ -664,14 +664,25 @@ impl Worker {
         while let Some(i) = self.landed_head() {
             let flight = self.in_flight.remove(i);
             let sink = flight.sink_id().to_string();
-            let behind = self.in_flight.iter().any(|f| f.sink_id() == sink);
             if flight.discarded() {
-                if !behind {
+                if !self.in_flight.iter().any(|f| f.sink_id() == sink) {
                     dispatch::http::abandon(flight);
                 }
                 continue;
             }
-            match dispatch::http::finish(flight, &mut self.agents, behind) {
+            // The windows chained behind a delivered one that were delivered too are recorded
+            // with it, in one transaction.
+            let mut also = Vec::new();
+            if flight.delivered_window() {
+                while let Some(j) = self.in_flight.iter().position(|f| f.sink_id() == sink) {
+                    if !self.in_flight[j].delivered_window() {
+                        break;
+                    }
+                    also.push(self.in_flight.remove(j));
+                }
+            }
+            let behind = self.in_flight.iter().any(|f| f.sink_id() == sink);
+            match dispatch::http::finish(flight, also, &mut self.agents, behind) {
                 dispatch::http::Landed::Recorded(result) => {
                     if !matches!(result, Ok(PassResult::Delivered { .. })) {
                         // The windows behind a failed one are sent again after it: none of

@@ -318,9 +318,9 @@ const HTTP_WINDOW: &str =
                                  r.headers, r.raised_at)::outbox.event AS e) e";
 
 /// A Kafka sink's windows, read in one statement: up to `windows` windows after `after`, each of
-/// `max` events at most, cut as `outbox._read_window` cuts one (the first event whatever its size,
-/// then while the sizes add up to at most `pg_outbox.max_batch_bytes`), and none after one that
-/// came short. Each event is framed here as [`kafka_frame`] frames it in SQL (`kafka::messages`
+/// `max` events at most, together holding at most `pg_outbox.max_batch_bytes` (the first event
+/// whatever its size: the rule of `outbox._read_window`, which reads them), and none after one
+/// that came short. Each event is framed here as [`kafka_frame`] frames it in SQL (`kafka::messages`
 /// reads either); the statement makes only the text PostgreSQL must (the payload and headers as
 /// JSON text), and only for the events the sink's topics match. One statement for many windows,
 /// because a statement's fixed cost is most of a 128-event window's.
@@ -343,20 +343,25 @@ fn read_kafka_windows(
     let limit = (max as usize)
         .saturating_mul(windows.max(1))
         .min(i32::MAX as usize);
+    // All the windows read at once hold at most what one may: no more text is made than for one
+    // window (the byte cut is the read rule's, before any payload is turned into text).
+    let max_bytes = settings::MAX_BATCH_BYTES.get() as i64;
     let table = plans::select(
         client,
         "SELECT r.position, m.ok, r.id, r.topic, r.subject, r.tenant, \
                 CASE WHEN m.ok THEN r.headers::pg_catalog.text END, r.raised_at, \
                 CASE WHEN m.ok THEN r.payload::pg_catalog.text END, \
                 outbox._event_size(r.payload, r.headers) \
-           FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) r \
-          CROSS JOIN LATERAL (SELECT $4::pg_catalog.text IS NULL OR r.topic OPERATOR(pg_catalog.~) $4 AS ok) m",
+           FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $5) r \
+          CROSS JOIN LATERAL (SELECT $4::pg_catalog.text IS NULL OR r.topic OPERATOR(pg_catalog.~) $4 AS ok) m \
+          ORDER BY r.n",
         None,
         &[
             DatumWithOid::from(after.txid.to_string()),
             DatumWithOid::from(after.seq),
             DatumWithOid::from(limit as i32),
             DatumWithOid::from(topic_regex.clone()),
+            DatumWithOid::from(max_bytes),
         ],
     )?;
     let mut rows = Vec::with_capacity(table.len());
@@ -385,14 +390,10 @@ fn read_kafka_windows(
             size: row.get(10)?.unwrap_or(0),
         });
     }
-    // The read rule's order (its statement sorts; kept here whatever the plan above it does).
-    if !rows.is_sorted_by_key(|r| r.position) {
-        rows.sort_by_key(|r| r.position);
-    }
     let cuts = cut_windows(
         rows.iter().map(|r| r.size),
         max as usize,
-        settings::MAX_BATCH_BYTES.get() as i64,
+        max_bytes,
         windows,
     );
     let mut out: Vec<Window> = Vec::with_capacity(cuts.len());

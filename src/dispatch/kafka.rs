@@ -499,8 +499,8 @@ impl Producer {
                 return;
             };
             context.polling.store(false, Ordering::Release);
-            // Those with reports, and the oldest of the others, which polls next should this
-            // thread's window be done.
+            // Those with reports, and of the others the one whose window follows this thread's
+            // most closely, which polls next should this thread's window be done.
             let Reports { taken, waiting } = &mut *reports;
             let next = waiting
                 .iter()

@@ -519,3 +519,33 @@ fn a_topic_the_sink_may_not_write_is_dead_lettered_while_its_neighbours_arrive()
     );
     assert!(broker.consume("t.no", 0, Duration::from_secs(2)).is_empty());
 }
+
+#[test]
+fn windows_cut_by_max_batch_bytes_chain_in_order() {
+    let db = worker_db("kafka_bytes");
+    db.cluster().set("pg_outbox.kafka_allow_private", "on");
+    // 1 MB a window (and, read at once, all the windows a worker reads behind it): a window of
+    // 16 events holds at most three of the 300 kB ones; the windows after a short one are read
+    // once it is delivered.
+    db.cluster().set("pg_outbox.max_batch_bytes", "1MB");
+    let broker = Broker::start("bytes");
+    broker.topic("big", 3, &[]);
+    let mut c = db.connect();
+    c.batch_execute(&format!(
+        "SELECT outbox.create_kafka_sink('big', '{}', 'big', batch_size => 16); SELECT outbox.pause_sink('big');
+         SELECT outbox.raise('t', jsonb_build_object('n', n, 'pad', CASE WHEN n % 4 = 0 THEN repeat('x', 300000) ELSE '' END),
+                             subject => 'k')
+           FROM generate_series(1, 80) n;
+         SELECT outbox.resume_sink('big');",
+        broker.address()
+    ))
+    .unwrap();
+    let records = broker.consume("big", 80, Duration::from_secs(60));
+    db.cluster().set("pg_outbox.max_batch_bytes", "16MB");
+    assert_eq!(
+        values_of_n(&first_of_each(&records)),
+        (1..=80).collect::<Vec<i64>>(),
+        "every event once, in order"
+    );
+    assert_eq!(last_error(&mut c, "big"), None);
+}

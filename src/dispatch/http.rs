@@ -1194,7 +1194,7 @@ pub struct InFlight {
 /// while the worker reads the next (see `InFlight::chain_after`).
 const CHAIN_WINDOWS: usize = 32;
 /// Events in the windows of one Kafka sink in flight at once, at most (one window, at least).
-const CHAIN_EVENTS: u32 = 4096;
+const CHAIN_EVENTS: u32 = 8192;
 
 /// What a request in flight is for.
 enum Purpose {

@@ -5,6 +5,8 @@
 #   - one event per transaction, 1, 8 and 32 clients (pgbench, prepared statements)
 #   - 1,000 events per transaction (raise_many vs a multi-row INSERT), 1 and 2 clients
 #   - the same against PgQ's pgq.insert_event (Debian postgresql-15-pgq3), the closest peer
+#   - one event per transaction while the events are consumed: raise with a SQL sink delivering
+#     them, against pgq.insert_event with PgQ's consumer running, and a plain INSERT alone
 # With BENCH_JSON=<file>, each figure is also appended to <file> as a JSON line (for the report).
 # Rounds alternate between the two sides so drift on a shared machine hits both alike.
 #
@@ -121,4 +123,66 @@ for clients in 1 8 32; do
   row "1 event/tx: raise vs pgq.insert_event" raise.sql pgq.sql "$clients" 1 "PgQ" raise_pgq
 done
 row "1000 events/tx: raise_many vs pgq.insert_event" raise_many.sql pgq_many.sql 1 1000 "PgQ" raise_many_pgq
+
+# While the events are consumed: raise with a SQL sink delivering them, against pgq.insert_event
+# with PgQ's consumer running (ticks made by the consumer itself, more often than pgqd would), and
+# against a plain INSERT with nothing consuming. The sink's handler and the PgQ consumer take each
+# batch and do nothing with it, so what is measured is what consuming costs the writers.
+psql_bench <<'SQL' >/dev/null
+CREATE SCHEMA sink;
+CREATE FUNCTION sink.take(e outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$ BEGIN END $$;
+SELECT outbox.create_sink('take', 'sink.take(outbox.event[])', start_at => 'now');
+SELECT outbox.pause_sink('take');
+SELECT pgq.register_consumer('bench', 'take');
+CREATE PROCEDURE sink.pgq_consume(seconds float8) LANGUAGE plpgsql AS $$
+DECLARE
+    b bigint;
+    stop timestamptz := clock_timestamp() + seconds * interval '1 second';
+BEGIN
+    WHILE clock_timestamp() < stop LOOP
+        PERFORM pgq.ticker();
+        COMMIT;
+        b := pgq.next_batch('bench', 'take');
+        IF b IS NULL THEN
+            PERFORM pg_sleep(0.005);
+        ELSE
+            PERFORM count(*) FROM pgq.get_batch_events(b);
+            PERFORM pgq.finish_batch(b);
+        END IF;
+        COMMIT;
+    END LOOP;
+END $$;
+SQL
+consumed() {
+  local clients=$1 a=0 b=0 c=0 r pid
+  for ((r = 0; r < ROUNDS; r++)); do
+    psql_bench -c "SELECT outbox.resume_sink('take')" >/dev/null
+    a=$((a + $(measure raise.sql "$clients" 1)))
+    psql_bench -c "SELECT outbox.pause_sink('take')" >/dev/null
+    psql_bench -c "CALL sink.pgq_consume($SECONDS_PER + 5)" >/dev/null &
+    pid=$!
+    b=$((b + $(measure pgq.sql "$clients" 1)))
+    wait "$pid"
+    c=$((c + $(measure insert.sql "$clients" 1)))
+  done
+  a=$((a / ROUNDS)) b=$((b / ROUNDS)) c=$((c / ROUNDS))
+  local label="1 event/tx, consumed meanwhile"
+  printf '%-44s %8s %14s %14s %8s\n' "consumed: raise+sink vs PgQ+consumer" "$clients" "$a" "$b" \
+    "$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')"
+  printf '%-44s %8s %14s %14s %8s\n' "consumed: raise+sink vs INSERT alone" "$clients" "$a" "$c" \
+    "$(awk -v a="$a" -v c="$c" 'BEGIN { printf "%.2f", a / c }')"
+  if [ -n "${BENCH_JSON:-}" ]; then
+    printf '{"chart": "raise_consumed", "title": "%s", "unit": "events/s", "series": "%s", "x": "%s clients", "y": %s}\n' \
+      "$label" "pg_outbox, a sink delivering" "$clients" "$a" >>"$BENCH_JSON"
+    printf '{"chart": "raise_consumed", "title": "%s", "unit": "events/s", "series": "%s", "x": "%s clients", "y": %s}\n' \
+      "$label" "PgQ, its consumer running" "$clients" "$b" >>"$BENCH_JSON"
+    printf '{"chart": "raise_consumed", "title": "%s", "unit": "events/s", "series": "%s", "x": "%s clients", "y": %s}\n' \
+      "$label" "plain INSERT, nothing consuming" "$clients" "$c" >>"$BENCH_JSON"
+    printf '{"ratio": "%s: raise vs pgq.insert_event, %s clients", "value": %s, "target": null}\n' "$label" "$clients" \
+      "$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')" >>"$BENCH_JSON"
+  fi
+}
+for clients in 1 8; do
+  consumed "$clients"
+done
 echo

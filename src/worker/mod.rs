@@ -865,6 +865,17 @@ pub fn wake_one() {
             set_latch(idle);
             return;
         }
+        // Every worker is in a round and some commit woke each already: each goes round again
+        // when its round ends, and sees this commit then. Under load most commits end here,
+        // under the shared lock, instead of queueing for the exclusive one.
+        if table
+            .slots
+            .iter()
+            .filter(|s| s.serving(database))
+            .all(|s| s.woken)
+        {
+            return;
+        }
     }
     // Every worker is in a round: each looks again when its round ends.
     let mut table = WORKERS.exclusive();

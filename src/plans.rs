@@ -7,7 +7,7 @@
 //! relation, a function, a type; `ALTER EXTENSION UPDATE`, `DROP` and `CREATE EXTENSION`) or a
 //! change of `search_path` invalidates it, and its next use parses and plans it again from its
 //! text, so nothing stale is ever run. Only statements with a fixed text belong here (and the
-//! handler calls, one per handler, whose number is bounded by the sinks of the database).
+//! handler calls of sinks and of subscriptions' jobs, a few per handler, bounded by MAX_KEPT).
 
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::PgOid;

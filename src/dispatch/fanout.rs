@@ -8,6 +8,7 @@
 
 use super::PassResult;
 use crate::cursor;
+use crate::plans;
 use crate::transaction::refresh_snapshot;
 use pg_outbox_core::filter::{EventContext, EventFields, Filter};
 use pg_outbox_core::pattern::Pattern;
@@ -78,18 +79,18 @@ impl Subscription {
 
 /// Takes the leases of the subscriptions it can (a transaction-scoped lock each, without
 /// waiting) and reads them. Returns them, and whether another worker held one.
-fn lease(client: &SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool) {
+fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool) {
     let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
     let mut leased = Vec::new();
     let mut contended = false;
-    for row in client
-        .select(
-            "SELECT s.name, s.lease_key FROM outbox.subscriptions s \
-              WHERE s.name OPERATOR(pg_catalog.=) ANY ($1) ORDER BY s.name",
-            None,
-            &[DatumWithOid::from(names)],
-        )
-        .expect("taking subscription leases")
+    for row in plans::select(
+        client,
+        "SELECT s.name, s.lease_key FROM outbox.subscriptions s \
+          WHERE s.name OPERATOR(pg_catalog.=) ANY ($1) ORDER BY s.name",
+        None,
+        &[DatumWithOid::from(names)],
+    )
+    .expect("taking subscription leases")
     {
         let name: String = row.get(1).unwrap().expect("name");
         let key: i32 = row.get(2).unwrap().expect("lease_key is NOT NULL");
@@ -106,25 +107,28 @@ fn lease(client: &SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool) {
     refresh_snapshot();
     // A subscription queues jobs as its owner: one whose owner may no longer do so on its queue
     // (a grant or a role membership taken back since) is paused, saying why, not fanned out.
-    for r in Spi::get_one_with_args::<Vec<String>>(
+    for r in plans::update(
+        client,
         "WITH denied AS (            UPDATE outbox.subscriptions s SET paused = true,                   last_predicate_error = pg_catalog.format(                       'paused: its owner %s may no longer queue jobs on queue \"%s\"; grant that back, then resume it',                       c.owner::pg_catalog.regrole, s.queue),                   last_predicate_error_at = pg_catalog.now()              FROM outbox.consumers c             WHERE c.name = s.name AND s.name = ANY ($1) AND NOT s.paused               AND NOT outbox._may(s.queue, c.owner, CASE WHEN s.handler IS NULL THEN 'enqueue' ELSE 'own' END)            RETURNING s.last_predicate_error)          SELECT pg_catalog.array_agg(d.last_predicate_error) FROM denied d",
+        None,
         &[DatumWithOid::from(leased.clone())],
     )
+    .and_then(|t| t.first().get_one::<Vec<String>>())
     .expect("checking the subscriptions' queues")
     .unwrap_or_default()
     {
         pgrx::warning!("pg_outbox: a subscription was {r}");
     }
     let mut subs = Vec::new();
-    for r in client
-        .select(
-            "SELECT s.name, c.txid::text, c.seq, s.topics, s.filter, s.handler::pg_catalog.oid, s.queue, s.max_attempts \
-               FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name \
-              WHERE s.name = ANY ($1) AND NOT s.paused",
-            None,
-            &[DatumWithOid::from(leased)],
-        )
-        .expect("reading subscriptions")
+    for r in plans::select(
+        client,
+        "SELECT s.name, c.txid::text, c.seq, s.topics, s.filter, s.handler::pg_catalog.oid, s.queue, s.max_attempts \
+           FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name \
+          WHERE s.name = ANY ($1) AND NOT s.paused",
+        None,
+        &[DatumWithOid::from(leased)],
+    )
+    .expect("reading subscriptions")
     {
         let name: String = r.get(1).unwrap().expect("name");
         let txid: String = r.get(2).unwrap().expect("cursor txid");
@@ -254,23 +258,23 @@ fn fan_out(
         uses("headers"),
         uses("raised_at"),
     ];
-    let rows = client
-        .select(
-            WINDOW_SQL,
-            None,
-            &[
-                DatumWithOid::from(cursor.txid.to_string()),
-                DatumWithOid::from(cursor.seq),
-                DatumWithOid::from(WINDOW),
-                DatumWithOid::from(needs[0]),
-                DatumWithOid::from(needs[1]),
-                DatumWithOid::from(needs[2]),
-                DatumWithOid::from(needs[3]),
-                DatumWithOid::from(needs[4]),
-                DatumWithOid::from(crate::settings::MAX_BATCH_BYTES.get() as i64),
-            ],
-        )
-        .expect("reading a fan-out window");
+    let rows = plans::select(
+        client,
+        WINDOW_SQL,
+        None,
+        &[
+            DatumWithOid::from(cursor.txid.to_string()),
+            DatumWithOid::from(cursor.seq),
+            DatumWithOid::from(WINDOW),
+            DatumWithOid::from(needs[0]),
+            DatumWithOid::from(needs[1]),
+            DatumWithOid::from(needs[2]),
+            DatumWithOid::from(needs[3]),
+            DatumWithOid::from(needs[4]),
+            DatumWithOid::from(crate::settings::MAX_BATCH_BYTES.get() as i64),
+        ],
+    )
+    .expect("reading a fan-out window");
     let count = rows.len();
     // The matches, as parallel arrays for INSERT_SQL.
     let (mut subs, mut queues, mut handlers, mut attempts, mut positions) =
@@ -355,22 +359,22 @@ fn fan_out(
         for queue in announced {
             crate::worker::announce_at_commit(queue, None);
         }
-        client
-            .update(
-                INSERT_SQL,
-                None,
-                &[
-                    DatumWithOid::from(cursor.txid.to_string()),
-                    DatumWithOid::from(cursor.seq),
-                    DatumWithOid::from(WINDOW),
-                    DatumWithOid::from(subs),
-                    DatumWithOid::from(queues),
-                    DatumWithOid::from(handlers),
-                    DatumWithOid::from(attempts),
-                    DatumWithOid::from(positions),
-                ],
-            )
-            .expect("writing jobs");
+        plans::update(
+            client,
+            INSERT_SQL,
+            None,
+            &[
+                DatumWithOid::from(cursor.txid.to_string()),
+                DatumWithOid::from(cursor.seq),
+                DatumWithOid::from(WINDOW),
+                DatumWithOid::from(subs),
+                DatumWithOid::from(queues),
+                DatumWithOid::from(handlers),
+                DatumWithOid::from(attempts),
+                DatumWithOid::from(positions),
+            ],
+        )
+        .expect("writing jobs");
     }
     let mut stopped = false;
     for sub in group.iter() {
@@ -391,8 +395,8 @@ fn fan_out(
             );
         }
     }
-    client
-        .update(
+    plans::update(
+            client,
             "UPDATE outbox.subscriptions s SET matched = s.matched + v.matched, skipped = s.skipped + v.skipped, \
                     predicate_errors = s.predicate_errors + v.errors, \
                     last_predicate_error = coalesce(v.last_error, s.last_predicate_error), \

@@ -10,6 +10,7 @@
 //! fails, each job runs alone in its own, so one failing job neither blocks nor undoes the others.
 
 use super::as_handler_owner;
+use crate::plans;
 use crate::transaction::Failure;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
@@ -33,7 +34,8 @@ pub struct Ran {
 pub fn handler_queues() -> Vec<(String, Option<Duration>)> {
     let mut out = Vec::new();
     Spi::connect(|client| {
-        for row in client.select(
+        for row in plans::select(
+            client,
             "SELECT s.name, (SELECT greatest(0, extract(epoch FROM j.run_at - pg_catalog.now()) * 1000)::int8 \
                                FROM outbox.jobs j \
                               WHERE j.subscription = s.name AND j.handler IS NOT NULL AND j.state = 'waiting' \
@@ -72,16 +74,16 @@ pub fn run(subscription: &str) -> Ran {
             return nothing;
         };
         let mut jobs = Vec::new();
-        for row in client
-            .update(
-                "SELECT j.id, j.payload::text FROM outbox.jobs j \
+        for row in plans::update(
+            client,
+            "SELECT j.id, j.payload::text FROM outbox.jobs j \
                   WHERE j.subscription = $1 AND j.handler IS NOT NULL AND j.state = 'waiting' \
                     AND j.run_at <= pg_catalog.now() \
                   ORDER BY j.run_at, j.id LIMIT $2 FOR UPDATE SKIP LOCKED",
-                None,
-                &[DatumWithOid::from(subscription), DatumWithOid::from(BATCH)],
-            )
-            .expect("claiming jobs")
+            None,
+            &[DatumWithOid::from(subscription), DatumWithOid::from(BATCH)],
+        )
+        .expect("claiming jobs")
         {
             jobs.push(Job {
                 id: row.get(1).unwrap().expect("id"),
@@ -108,8 +110,7 @@ pub fn run(subscription: &str) -> Ran {
             Err(())
         } else {
             as_handler_owner(owner, target, || {
-                client
-                    .select(all.as_str(), None, &[DatumWithOid::from(texts.clone())])
+                plans::call(client, all.as_str(), &[DatumWithOid::from(texts.clone())])
                     .map(|_| ())
                     .unwrap_or_else(|e| panic!("{e}"));
             })
@@ -129,14 +130,13 @@ pub fn run(subscription: &str) -> Ran {
                         ids: std::slice::from_ref(&job.id),
                     };
                     let result = as_handler_owner(owner, target, || {
-                        client
-                            .select(
-                                one.as_str(),
-                                None,
-                                &[DatumWithOid::from(job.event.as_str())],
-                            )
-                            .map(|_| ())
-                            .unwrap_or_else(|e| panic!("{e}"));
+                        plans::call(
+                            client,
+                            one.as_str(),
+                            &[DatumWithOid::from(job.event.as_str())],
+                        )
+                        .map(|_| ())
+                        .unwrap_or_else(|e| panic!("{e}"));
                     });
                     match result {
                         Ok(()) => done.push(job.id),
@@ -146,13 +146,13 @@ pub fn run(subscription: &str) -> Ran {
             }
         }
         if !done.is_empty() {
-            client
-                .update(
-                    "DELETE FROM outbox.jobs WHERE id = ANY ($1)",
-                    None,
-                    &[DatumWithOid::from(done.clone())],
-                )
-                .expect("deleting finished jobs");
+            plans::update(
+                client,
+                "DELETE FROM outbox.jobs WHERE id = ANY ($1)",
+                None,
+                &[DatumWithOid::from(done.clone())],
+            )
+            .expect("deleting finished jobs");
         }
         for (id, failure) in &failed {
             record_failure(client, subscription, *id, failure);
@@ -189,8 +189,8 @@ pub fn after_hang(subscription: &str, ids: &[i64]) {
 
 /// The handler to call (schema-qualified, quoted) and the role it runs as.
 fn handler_of(client: &SpiClient<'_>, subscription: &str) -> Option<(String, pg_sys::Oid)> {
-    let rows = client
-        .select(
+    let rows = plans::select(
+            client,
             "SELECT pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(p.proname), c.owner \
                FROM outbox.subscriptions s \
                JOIN outbox.consumers c ON c.name = s.name \
@@ -238,8 +238,8 @@ fn cannot_pass_on_retry(failure: &Failure) -> bool {
 }
 
 fn record_failure(client: &mut SpiClient<'_>, subscription: &str, id: i64, failure: &Failure) {
-    let rows = client
-        .update(
+    let rows = plans::update(
+            client,
             // Back-off: 1 s doubling per attempt, capped at an hour (as outbox.fail()).
             "UPDATE outbox.jobs SET attempts = attempts + 1, last_error = $2, \
                     state = CASE WHEN $3 OR attempts + 1 >= max_attempts THEN 'dead' ELSE 'waiting' END, \

@@ -3,6 +3,8 @@
 //! pgrx's `Spi::get_one*` take the read-write path, and marking a transaction read-write makes
 //! pgrx ask for its transaction id: every call would burn an xid and, worse, make the caller a
 //! running transaction that holds back the very horizon it is asking about. Reads go through here.
+//! Their statements have fixed texts, run from kept plans (`crate::plans`): the workers run some of
+//! them on every round, where parsing and planning cost more than the read.
 
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
@@ -11,7 +13,7 @@ use pgrx::{FromDatum, IntoDatum};
 /// The first column of the first row, read-only; None for no row or NULL.
 pub fn one<T: FromDatum + IntoDatum>(sql: &str, args: &[DatumWithOid<'_>]) -> Option<T> {
     Spi::connect(|client| {
-        let table = client.select(sql, Some(1), args)?;
+        let table = crate::plans::select(client, sql, Some(1), args)?;
         if table.is_empty() {
             return Ok(None);
         }
@@ -27,7 +29,7 @@ where
     B: FromDatum + IntoDatum,
 {
     Spi::connect(|client| {
-        let table = client.select(sql, Some(1), args)?;
+        let table = crate::plans::select(client, sql, Some(1), args)?;
         if table.is_empty() {
             return Ok(None);
         }

@@ -445,7 +445,8 @@ pub fn active(slot: usize) -> Vec<(String, bool)> {
         return names;
     }
     Spi::connect(|client| {
-        for row in client.select(
+        for row in crate::plans::select(
+            client,
             "SELECT name, handler IS NOT NULL FROM outbox.subscriptions WHERE NOT paused ORDER BY name",
             None,
             &[],

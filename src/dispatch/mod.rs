@@ -171,7 +171,8 @@ pub fn due_sinks(slot: usize) -> DueSinks {
     let mut next: Option<Duration> = None;
     let mut count = 0;
     Spi::connect(|client| {
-        let rows = client.select(
+        let rows = plans::select(
+            client,
             "SELECT id, next_attempt_at IS NULL OR next_attempt_at <= pg_catalog.now(), \
                     (extract(epoch FROM next_attempt_at - pg_catalog.now()) * 1000)::int8, \
                     kind <> 'sql' \

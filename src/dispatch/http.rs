@@ -414,8 +414,16 @@ fn read_kafka_windows(
             };
             window.matching += 1;
             let id = super::kafka::uuid_text(&id);
+            let field = |body: &mut String, text: Option<&str>| match text {
+                None => body.push('~'),
+                Some(text) => {
+                    super::kafka::push_decimal(body, text.len());
+                    body.push(':');
+                    body.push_str(text);
+                }
+            };
             let time = time.map(super::kafka::utc_time);
-            for field in [
+            for text in [
                 Some(id.as_str()),
                 Some(row.text),
                 topic,
@@ -425,14 +433,7 @@ fn read_kafka_windows(
                 time.as_deref(),
                 payload,
             ] {
-                match field {
-                    None => body.push('~'),
-                    Some(text) => {
-                        use std::fmt::Write;
-                        let _ = write!(body, "{}:", text.len());
-                        body.push_str(text);
-                    }
-                }
+                field(&mut body, text);
             }
             window.ids.push(id);
         }
@@ -1192,9 +1193,9 @@ pub struct InFlight {
 
 /// Windows of one Kafka sink that fly at once, at most: they produce in order into one producer
 /// while the worker reads the next (see `InFlight::chain_after`).
-const CHAIN_WINDOWS: usize = 32;
+const CHAIN_WINDOWS: usize = 64;
 /// Events in the windows of one Kafka sink in flight at once, at most (one window, at least).
-const CHAIN_EVENTS: u32 = 8192;
+const CHAIN_EVENTS: u32 = 16384;
 
 /// What a request in flight is for.
 enum Purpose {

@@ -775,6 +775,14 @@ pub fn uuid_text(id: &pgrx::Uuid) -> String {
 /// `YYYY-MM-DDTHH:MM:SS.ffffffZ`, as `to_char(t AT TIME ZONE 'UTC',
 /// 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')` writes it for the years 1 to 9999.
 pub fn utc_time(t: i64) -> String {
+    let mut out = String::with_capacity(27);
+    push_utc_time(&mut out, t);
+    out
+}
+
+/// Appends [`utc_time`]`(t)` to `out`: digit by digit, a tenth of what `format!` costs (the
+/// worker writes one per event it sends to Kafka).
+fn push_utc_time(out: &mut String, t: i64) {
     const DAY: i64 = 86_400_000_000;
     let days = t.div_euclid(DAY);
     let micros = t.rem_euclid(DAY);
@@ -789,13 +797,49 @@ pub fn utc_time(t: i64) -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     let seconds = micros / 1_000_000;
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
-        seconds / 3600,
-        seconds / 60 % 60,
-        seconds % 60,
-        micros % 1_000_000
-    )
+    if !(1..=9999).contains(&year) {
+        // Outside what PostgreSQL's timestamps hold as four-digit years: as format! writes it.
+        use std::fmt::Write;
+        let _ = write!(
+            out,
+            "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
+            seconds / 3600,
+            seconds / 60 % 60,
+            seconds % 60,
+            micros % 1_000_000
+        );
+        return;
+    }
+    let mut buf = *b"0000-00-00T00:00:00.000000Z";
+    let mut put = |at: usize, width: usize, mut n: i64| {
+        for i in (at..at + width).rev() {
+            buf[i] = b'0' + (n % 10) as u8;
+            n /= 10;
+        }
+    };
+    put(0, 4, year);
+    put(5, 2, month);
+    put(8, 2, day);
+    put(11, 2, seconds / 3600);
+    put(14, 2, seconds / 60 % 60);
+    put(17, 2, seconds % 60);
+    put(20, 6, micros % 1_000_000);
+    out.push_str(std::str::from_utf8(&buf).expect("ASCII digits"));
+}
+
+/// Appends `n` in decimal to `out` (a frame's field length), without `format!`.
+pub fn push_decimal(out: &mut String, mut n: usize) {
+    let mut buf = [0u8; 20];
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.push_str(std::str::from_utf8(&buf[at..]).expect("ASCII digits"));
 }
 
 /// The next field of a frame (`http::kafka_frame`): `<bytes>:<text>`, or `~` for NULL.

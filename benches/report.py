@@ -81,6 +81,10 @@ def draw(name, chart, out_dir):
             # Dense series (a value per second, say) read better without markers.
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) <= 30 else None,
                     label=series)
+        xs = [x for pts in chart["series"].values() for x, _ in pts]
+        # x spanning orders of magnitude (batch sizes 1 to 1,000) reads on a log scale.
+        if xs and min(xs) > 0 and max(xs) / min(xs) >= 100:
+            ax.set_xscale("log")
     else:
         xs = []
         for points in chart["series"].values():

@@ -128,14 +128,20 @@ fn latency(
 }
 
 /// PgQ's consumer loop draining `n` events into the ledger: the events are inserted with
-/// `pgq.insert_event` and ticked every 500 (as pgqd does by default), then one client runs
+/// `pgq.insert_event` and ticked every `batch` (pgqd's default is 500), then one client runs
 /// `next_batch`, copies `get_batch_events` into the ledger and calls `finish_batch`, one
 /// transaction per batch, until no batch is left. Events per second of the loop.
-fn pgq_drain(c: &mut Client, n: i64) -> f64 {
+fn pgq_drain(c: &mut Client, batch: i64, n: i64) -> f64 {
     c.batch_execute("TRUNCATE ledger").unwrap();
+    // pgq.ticker(queue) ticks once ticker_max_count events wait (or ticker_max_lag passed).
+    c.execute(
+        "SELECT pgq.set_queue_config('bench', 'ticker_max_count', $1::int8::text)",
+        &[&batch],
+    )
+    .unwrap();
     let mut raised = 0i64;
     while raised < n {
-        let upto = (raised + 500).min(n);
+        let upto = (raised + batch).min(n);
         c.execute(
             "SELECT count(pgq.insert_event('bench', 'bench.tick', \
                     jsonb_build_object('k', i, 'amount', 150.5, 'currency', 'EUR')::text)) \
@@ -175,9 +181,9 @@ fn pgq_drain(c: &mut Client, n: i64) -> f64 {
 }
 
 /// A hand-written queue draining `n` rows into the ledger: `clients` connections (as many as the
-/// workers) each delete up to 128 rows with FOR UPDATE SKIP LOCKED and insert them into the ledger
-/// in one statement, until the queue is empty.
-fn skip_locked_drain(cluster: &Cluster, c: &mut Client, clients: usize, n: i64) -> f64 {
+/// workers) each delete up to `batch` rows with FOR UPDATE SKIP LOCKED and insert them into the
+/// ledger in one statement, until the queue is empty.
+fn skip_locked_drain(cluster: &Cluster, c: &mut Client, clients: usize, batch: i64, n: i64) -> f64 {
     c.batch_execute("TRUNCATE ledger, plain_queue").unwrap();
     c.execute(
         "INSERT INTO plain_queue (payload) \
@@ -196,10 +202,10 @@ fn skip_locked_drain(cluster: &Cluster, c: &mut Client, clients: usize, n: i64) 
                     .execute(
                         "WITH claimed AS ( \
                              DELETE FROM plain_queue WHERE id IN ( \
-                                 SELECT id FROM plain_queue ORDER BY id LIMIT 128 FOR UPDATE SKIP LOCKED) \
+                                 SELECT id FROM plain_queue ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
                              RETURNING id, payload) \
                          INSERT INTO ledger (k, pos) SELECT (payload->>'k')::bigint, id::text FROM claimed",
-                        &[],
+                        &[&batch],
                     )
                     .unwrap();
                 if moved == 0 {
@@ -332,12 +338,12 @@ fn main() {
             format!("{events} events, batch_size 1000"),
             big
         );
-        let pgq = pgq_drain(c, events);
+        let pgq = pgq_drain(c, 500, events);
         println!(
             "{:<46} {:>12.0}",
             "PgQ consumer loop (batches of 500, 1 client)", pgq
         );
-        let queue = skip_locked_drain(cluster, c, 2, events);
+        let queue = skip_locked_drain(cluster, c, 2, 128, events);
         println!(
             "{:<46} {:>12.0}",
             "SKIP LOCKED delete+insert (128, 2 clients)", queue
@@ -367,6 +373,42 @@ fn main() {
             ours / queue,
             Some(2.0),
         );
+        // Drain rate against batch size, the three side by side. Small batches drain slowly (a
+        // commit per batch), so they drain fewer events: what is compared is the rate.
+        println!(
+            "\n{:<46} {:>12} {:>12} {:>12}",
+            "drain against batch size (events/s)", "pg_outbox", "PgQ", "SKIP LOCKED"
+        );
+        let title = "Drain rate against batch size (waiting events into a table)";
+        record_x_unit("drain_batch", "events per batch (transaction)");
+        for batch in [1i64, 16, 128, 1000] {
+            // Whole batches: PgQ ticks only once a batch is full.
+            let n = (events * batch / 128).clamp(5_000.min(events), events) / batch * batch;
+            let ours = match batch {
+                128 => ours,
+                1000 => big,
+                _ => drain(c, batch as i32, n),
+            };
+            let theirs = pgq_drain(c, batch, n);
+            let queue = match batch {
+                128 => queue,
+                _ => skip_locked_drain(cluster, c, 2, batch, n),
+            };
+            println!(
+                "{:<46} {:>12.0} {:>12.0} {:>12.0}",
+                format!("batch {batch} ({n} events)"),
+                ours,
+                theirs,
+                queue
+            );
+            for (series, y) in [
+                ("pg_outbox SQL sink", ours),
+                ("PgQ consumer loop (1 client)", theirs),
+                ("SKIP LOCKED queue (2 clients)", queue),
+            ] {
+                record("drain_batch", title, "events/s", series, batch, y);
+            }
+        }
         if std::env::var_os("BENCH_DRAIN_ONLY").is_some() {
             return;
         }

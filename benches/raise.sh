@@ -111,7 +111,7 @@ row() {
     printf '{"chart": "%s", "title": "%s", "unit": "events/s", "series": "%s", "x": "%s clients", "y": %s}\n' \
       "$chart" "$title" "$baseline" "$clients" "$b" >>"$BENCH_JSON"
     printf '{"ratio": "%s, %s clients", "value": %s, "target": %s}\n' "$label" "$clients" "$ratio" \
-      "$(case "$baseline,$clients" in "plain INSERT,8") echo 0.9 ;; "PgQ,8") echo 1.0 ;; *) echo null ;; esac)" >>"$BENCH_JSON"
+      "$(case "$chart,$clients" in raise_insert_other,8) echo 0.95 ;; raise_insert,8) echo 0.9 ;; raise_pgq,8) echo 1.15 ;; *) echo null ;; esac)" >>"$BENCH_JSON"
   fi
 }
 for clients in 1 8 32; do
@@ -123,6 +123,22 @@ for clients in 1 8 32; do
   row "1 event/tx: raise vs pgq.insert_event" raise.sql pgq.sql "$clients" 1 "PgQ" raise_pgq
 done
 row "1000 events/tx: raise_many vs pgq.insert_event" raise_many.sql pgq_many.sql 1 1000 "PgQ" raise_many_pgq
+
+# A sink with nothing to deliver in another database: commits here must not wake its workers
+# (they once ran a pass for every commit anywhere in the cluster: raise fell to 0.43 of INSERT).
+cluster_psql "$DIR" "$PORT" -d postgres -c "CREATE DATABASE other" >/dev/null
+cluster_psql "$DIR" "$PORT" -d other >/dev/null <<'SQL'
+CREATE EXTENSION pg_outbox;
+CREATE FUNCTION public.take(e outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$ BEGIN END $$;
+SELECT outbox.create_sink('idle', 'public.take(outbox.event[])', start_at => 'now');
+SQL
+# Its worker is up (it counts the sink) before the measurement.
+for _ in $(seq 1 100); do
+  [ "$(cluster_psql "$DIR" "$PORT" -d other -Atc "SELECT count(*) FROM pg_stat_activity WHERE datname = 'other' AND backend_type LIKE 'pg_outbox%'")" -gt 0 ] && break
+  sleep 0.1
+done
+row "1 event/tx, an idle sink in another database: raise vs INSERT" raise.sql insert.sql 8 1 "plain INSERT" raise_insert_other
+cluster_psql "$DIR" "$PORT" -d other -c "SELECT outbox.drop_sink('idle')" >/dev/null
 
 # While the events are consumed: raise with a SQL sink delivering them, against pgq.insert_event
 # with PgQ's consumer running (ticks made by the consumer itself, more often than pgqd would), and

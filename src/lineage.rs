@@ -79,22 +79,23 @@ struct Row {
 }
 
 fn rows() -> Vec<Row> {
+    // Every round of a worker reads it (`adopt_if_restored`): from a kept plan.
     Spi::connect(|client| {
-        client
-            .select(
-                "SELECT system_identifier, database, epoch, raised FROM outbox.lineage",
-                None,
-                &[],
-            )?
-            .map(|r| {
-                Ok(Row {
-                    system_identifier: r.get(1)?.unwrap_or_default(),
-                    database: r.get::<pg_sys::Oid>(2)?.map_or(0, |o| o.to_u32()),
-                    epoch: r.get(3)?.unwrap_or_default(),
-                    raised: r.get(4)?.unwrap_or_default(),
-                })
+        crate::plans::select(
+            client,
+            "SELECT system_identifier, database, epoch, raised FROM outbox.lineage",
+            None,
+            &[],
+        )?
+        .map(|r| {
+            Ok(Row {
+                system_identifier: r.get(1)?.unwrap_or_default(),
+                database: r.get::<pg_sys::Oid>(2)?.map_or(0, |o| o.to_u32()),
+                epoch: r.get(3)?.unwrap_or_default(),
+                raised: r.get(4)?.unwrap_or_default(),
             })
-            .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+        })
+        .collect::<Result<Vec<_>, pgrx::spi::Error>>()
     })
     .unwrap_or_else(|e| panic!("reading outbox.lineage: {e}"))
 }

@@ -636,16 +636,24 @@ fn agent(timeout: Duration, allow: http::Allow) -> ureq::Agent {
 
 /// The outcome of a request that landed (its thread has finished, or is about to).
 fn join(flying: Flying) -> Outcome {
-    flying.handle.join().unwrap_or(Outcome::Transient {
-        retry_after: None,
-        reason: "the request thread panicked".into(),
-    })
+    match flying.handle {
+        Ok(handle) => handle.join().unwrap_or(Outcome::Transient {
+            retry_after: None,
+            reason: "the request thread panicked".into(),
+        }),
+        // Retried like an outage: the process was out of threads or memory for a moment.
+        Err(why) => Outcome::Transient {
+            retry_after: None,
+            reason: format!("no thread for the request: {why}"),
+        },
+    }
 }
 
 /// A request's thread. `done` is set, and then the worker's latch, as soon as its outcome is
 /// ready: the worker's wait ends at once, and it sees the request as landed.
 struct Flying {
-    handle: std::thread::JoinHandle<Outcome>,
+    /// Its thread, or why none could be started (then it has landed already).
+    handle: Result<std::thread::JoinHandle<Outcome>, String>,
     done: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Whether its landing sets the worker's latch: a window chained behind others of its sink
     /// cannot be recorded before them, so it wakes nobody until it is the oldest (see
@@ -737,6 +745,12 @@ fn spawn_without_signals<F: FnOnce() -> Outcome + Send + 'static>(work: F) -> Fl
     spawn_waking(work, true)
 }
 
+/// The stack of a request's or a window's thread: a Kafka sink may have 64 windows in flight,
+/// each on its thread, and Rust's default (2 MiB) would reserve 128 MiB of address space per
+/// sink. The deepest thing run there is serde_json reading an event's headers, which stops at
+/// 128 levels: that takes 128 to 256 KiB in a debug build (measured), so 1 MiB leaves room.
+const REQUEST_THREAD_STACK: usize = 1024 * 1024;
+
 /// [`spawn_without_signals`], waking the worker when it lands only if `wake` (then or since).
 fn spawn_waking<F: FnOnce() -> Outcome + Send + 'static>(work: F, wake: bool) -> Flying {
     use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
@@ -771,15 +785,18 @@ fn spawn_waking<F: FnOnce() -> Outcome + Send + 'static>(work: F, wake: bool) ->
         outcome
     };
     // SAFETY: plain signal-mask calls on this thread; the new thread inherits the blocked mask,
-    // and this thread's own mask is put back right after.
+    // and this thread's own mask is put back right after, whether the thread started or not.
     let handle = unsafe {
         let mut all: libc::sigset_t = std::mem::zeroed();
         let mut previous: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&mut all);
         libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut previous);
-        let handle = std::thread::spawn(work);
+        let handle = std::thread::Builder::new()
+            .stack_size(REQUEST_THREAD_STACK)
+            .spawn(work);
         libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
-        handle
+        // Not started: `work` was dropped, and with it `Landed`, which marked the flight landed.
+        handle.map_err(|e| e.to_string())
     };
     Flying {
         handle,
@@ -1194,6 +1211,17 @@ pub struct InFlight {
 /// Windows of one Kafka sink that fly at once, at most: they produce in order into one producer
 /// while the worker reads the next (see `InFlight::chain_after`).
 const CHAIN_WINDOWS: usize = 64;
+/// Windows chained behind others that one worker keeps in flight, all sinks together, at most:
+/// each has a thread, and a worker may drive up to `MAX_PRODUCERS` Kafka sinks.
+const CHAINED_PER_WORKER: usize = 256;
+
+/// How many windows to count a sink as having in flight when bounding its chain (`chain`,
+/// `start`): its own (`sink`), or more when the worker's windows (`worker`, all sinks) leave less
+/// room than that sink's own bound would, so that no chain takes the worker past
+/// `CHAINED_PER_WORKER`.
+pub fn chain_count(sink: usize, worker: usize) -> usize {
+    sink.max((worker + CHAIN_WINDOWS).saturating_sub(CHAINED_PER_WORKER))
+}
 /// Events in the windows of one Kafka sink in flight at once, at most (one window, at least).
 const CHAIN_EVENTS: u32 = 16384;
 
@@ -1836,7 +1864,31 @@ fn after_neighbour(
 
 #[cfg(test)]
 mod tests {
-    use super::cut_windows;
+    use super::{chain_count, cut_windows, CHAINED_PER_WORKER, CHAIN_WINDOWS};
+
+    #[test]
+    fn chains_keep_the_windows_of_a_worker_within_its_bound() {
+        for worker in 0..2 * CHAINED_PER_WORKER {
+            for sink in 0..=worker.min(CHAIN_WINDOWS) {
+                let counted = chain_count(sink, worker);
+                // Never fewer than the sink's own: its own bound still holds.
+                assert!(counted >= sink);
+                // What a chain may add (`InFlight::chain`, `more_windows`: up to CHAIN_WINDOWS
+                // counted) keeps the worker within its bound, or adds nothing once past it.
+                let more = CHAIN_WINDOWS.saturating_sub(counted);
+                if worker >= CHAINED_PER_WORKER {
+                    assert_eq!(more, 0, "worker {worker}, sink {sink}");
+                } else {
+                    assert!(
+                        worker + more <= CHAINED_PER_WORKER,
+                        "worker {worker}, sink {sink}"
+                    );
+                }
+            }
+        }
+        // A worker with room leaves a sink its whole chain.
+        assert_eq!(chain_count(3, 10), 3);
+    }
 
     #[test]
     fn windows_are_cut_by_count_and_bytes_and_end_after_a_short_one() {

@@ -629,16 +629,17 @@ impl Worker {
                 .iter()
                 .filter(|f| f.sink_id() == sink)
                 .collect();
+            let counted = dispatch::http::chain_count(flying.len(), self.in_flight.len());
             let chain = match flying.last() {
                 None => None,
                 Some(newest) if !first && !newest.full() => return None,
-                Some(newest) => match newest.chain(flying.len(), &mut self.agents) {
+                Some(newest) => match newest.chain(counted, &mut self.agents) {
                     Some(chain) if flying.iter().all(|f| !f.discarded()) => Some(chain),
                     _ => return None,
                 },
             };
             activity(&format!("sink \"{sink}\": reading and sending a batch"));
-            let flying = flying.len();
+            let flying = counted;
             match dispatch::http::start(sink, &mut self.agents, chain, flying) {
                 Ok(dispatch::http::Started::InFlight(flight, behind)) => {
                     self.in_flight.push(*flight);

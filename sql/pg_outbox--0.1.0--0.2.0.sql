@@ -1527,6 +1527,52 @@ ALTER TABLE outbox.subscriptions
 ALTER TABLE outbox.schedules
     ADD CONSTRAINT schedules_queue_fkey FOREIGN KEY (queue) REFERENCES outbox.queues (name);
 
+-- The log becomes four partitions that take the new events in turn, pruned by truncating a
+-- partition every reader has passed (src/prune.rs). The events of 0.1.0's table move into the
+-- partition of this moment, in one statement of this transaction: none is lost, none is read
+-- twice (positions are kept). Copied, not attached, so that the table is exactly a fresh
+-- install's; the copy leaves the old table's dead tuples behind with it.
+CREATE FUNCTION outbox._log_part() RETURNS smallint
+STABLE PARALLEL SAFE LANGUAGE c AS 'MODULE_PATHNAME', 'pg_outbox_log_part';
+ALTER SEQUENCE outbox.events_seq OWNED BY NONE;
+ALTER TABLE outbox.events RENAME TO events_010;
+ALTER TABLE outbox.events_010 RENAME CONSTRAINT events_pkey TO events_010_pkey;
+ALTER TABLE outbox.events_010 RENAME CONSTRAINT events_payload_object TO events_010_payload_object;
+ALTER TABLE outbox.events_010 RENAME CONSTRAINT events_headers_object TO events_010_headers_object;
+CREATE TABLE outbox.events (
+    txid      pg_catalog.xid8        NOT NULL DEFAULT outbox._log_txid(),
+    seq       bigint                 NOT NULL DEFAULT pg_catalog.nextval('outbox.events_seq'::pg_catalog.regclass),
+    id        uuid                   NOT NULL,
+    topic     text                   NOT NULL,
+    subject   text,
+    tenant    text,
+    payload   jsonb                  NOT NULL,
+    headers   jsonb                  NOT NULL DEFAULT '{}',
+    raised_at timestamptz            NOT NULL DEFAULT pg_catalog.now(),
+    part      smallint               NOT NULL DEFAULT outbox._log_part(),
+    CONSTRAINT events_pkey PRIMARY KEY (txid, seq, part),
+    CONSTRAINT events_payload_object CHECK (pg_catalog.jsonb_typeof(payload) = 'object'),
+    CONSTRAINT events_headers_object CHECK (pg_catalog.jsonb_typeof(headers) = 'object')
+) PARTITION BY LIST (part);
+ALTER SEQUENCE outbox.events_seq OWNED BY outbox.events.seq;
+CREATE TABLE outbox.events_0 PARTITION OF outbox.events FOR VALUES IN (0);
+CREATE TABLE outbox.events_1 PARTITION OF outbox.events FOR VALUES IN (1);
+CREATE TABLE outbox.events_2 PARTITION OF outbox.events FOR VALUES IN (2);
+CREATE TABLE outbox.events_3 PARTITION OF outbox.events FOR VALUES IN (3);
+CREATE TABLE outbox.log_rotation (
+    period_s bigint      NOT NULL CHECK (period_s > 0),
+    since    timestamptz NOT NULL
+);
+INSERT INTO outbox.events (txid, seq, id, topic, subject, tenant, payload, headers, raised_at)
+SELECT txid, seq, id, topic, subject, tenant, payload, headers, raised_at
+  FROM outbox.events_010 ORDER BY txid, seq;
+DROP TABLE outbox.events_010;
+REVOKE ALL ON TABLE outbox.events, outbox.events_0, outbox.events_1, outbox.events_2, outbox.events_3,
+    outbox.log_rotation FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION outbox._log_part() FROM PUBLIC;
+COMMENT ON TABLE outbox.events IS
+    'The event log. Read it through outbox.read() or a sink; positions order by (txid, seq).';
+
 -- pg_dump keeps everything from now on: every table and sequence, as a fresh install marks them.
 DO $$
 DECLARE

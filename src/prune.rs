@@ -1,16 +1,21 @@
-//! Pruning: delete what every consumer has passed and the retention allows.
+//! Pruning: remove what every consumer has passed and the retention allows.
 //!
 //! An outbox that is never pruned takes the site down (pg_cron's run history did). One that is
 //! pruned carelessly loses events. So: only events behind the lowest cursor of every consumer (a
 //! consumer that never advanced holds the log) and behind the read horizon, only events older
-//! than the retention, in bounded batches in log order. The worker calls it every
-//! `pg_outbox.prune_interval`; operators may call `outbox.prune()`.
+//! than the retention.
+//!
+//! The workers prune every `pg_outbox.prune_interval` by truncating whole partitions of the log
+//! (`pg_outbox_core::rotation`): no DELETE, so no dead tuples and no index bloat on the hottest
+//! table. `outbox.prune()`, for operators, deletes exactly what may go, in bounded batches in log
+//! order.
 
 use crate::error::{Error, OrReport};
 use crate::owner::as_owner;
 use crate::read_rule;
 use crate::settings;
 use pg_outbox_core::limits::PRUNE_BATCH_MAX;
+use pg_outbox_core::rotation;
 use pg_outbox_core::{required, Invalid, InvalidKind, Position};
 use pgrx::datum::{DatumWithOid, Interval};
 use pgrx::prelude::*;
@@ -51,12 +56,13 @@ fn prune_events(retention: DatumWithOid<'_>, cutoff_sql: &str, batch_size: i32, 
     }
     let sql = format!(
         "WITH batch AS ( \
-            SELECT ctid, raised_at FROM outbox.events \
+            SELECT txid, seq, part, raised_at FROM outbox.events \
              WHERE (txid, seq) <= ($1::xid8, $2) \
              ORDER BY txid, seq LIMIT $3), \
          gone AS ( \
-            DELETE FROM outbox.events WHERE ctid = ANY (ARRAY( \
-                SELECT ctid FROM batch WHERE raised_at < {cutoff_sql})) \
+            DELETE FROM outbox.events e USING batch b \
+             WHERE (e.txid, e.seq, e.part) = (b.txid, b.seq, b.part) \
+               AND b.raised_at < {cutoff_sql} \
             RETURNING 1) \
          SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM gone)"
     );
@@ -127,15 +133,125 @@ fn prune(
     )
 }
 
-/// The worker's timed prune: `pg_outbox.retention`, batches of 10,000.
+/// The worker's timed prune: truncates every partition of the log that has aged past
+/// `pg_outbox.retention` and that every reader has passed; returns how many it truncated.
 pub fn prune_for_worker() -> i64 {
     if !crate::dispatch::lock_tables() {
         return 0;
     }
-    prune_events(
-        DatumWithOid::from(settings::RETENTION_S.get() as i64),
-        "now() - $4 * interval '1 second'",
-        10_000,
-        false,
-    )
+    let retention_s = settings::RETENTION_S.get() as i64;
+    let period_s = rotation::period_s(retention_s, settings::PRUNE_INTERVAL_S.get() as i64);
+    // SAFETY: reads the clock.
+    let now_us = unix_us(unsafe { pg_sys::GetCurrentTimestamp() });
+    as_owner(|| {
+        let since_us = rotation_since(period_s, now_us);
+        if !rotation::settled(since_us, now_us, period_s, retention_s) {
+            return 0;
+        }
+        let aged: Vec<i16> = (0..rotation::PARTITIONS as i16)
+            .filter(|&k| rotation::aged(k, now_us, period_s, retention_s))
+            .collect();
+        if aged.is_empty() {
+            return 0;
+        }
+        let Some(bound) = prune_bound(false) else {
+            return 0;
+        };
+        aged.into_iter()
+            .filter(|&k| truncate_if_passed(k, bound))
+            .count() as i64
+    })
+}
+
+/// Microseconds since 1970 of a PostgreSQL timestamp (microseconds since 2000).
+fn unix_us(ts: pg_sys::TimestampTz) -> i64 {
+    const Y2K_US: i64 = 946_684_800 * 1_000_000;
+    ts.saturating_add(Y2K_US)
+}
+
+/// Since when the log has rotated by `period_s` (microseconds since 1970); records the period
+/// when it changed (or was never recorded), so that nothing is truncated until every event raised
+/// under the old one is older than the retention.
+fn rotation_since(period_s: i64, now_us: i64) -> i64 {
+    let recorded = Spi::get_two::<i64, i64>(
+        "SELECT period_s, (extract(epoch FROM since) * 1000000)::int8 FROM outbox.log_rotation LIMIT 1",
+    );
+    match recorded {
+        Ok((Some(p), Some(since))) if p == period_s => since,
+        Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => {
+            Spi::run_with_args(
+                "WITH gone AS (DELETE FROM outbox.log_rotation) \
+                 INSERT INTO outbox.log_rotation (period_s, since) VALUES ($1, pg_catalog.now())",
+                &[DatumWithOid::from(period_s)],
+            )
+            .expect("recording the log's rotation");
+            now_us
+        }
+        Err(e) => panic!("reading the log's rotation: {e}"),
+    }
+}
+
+/// How long a worker waits for the lock that truncating a partition takes: readers of the log
+/// (other workers' steps, pull consumers) wait behind it for at most this long.
+const TRUNCATE_LOCK_TIMEOUT: &str = "200ms";
+
+/// Truncates partition `k` if every event in it is at or behind `bound`; false when it held
+/// none, held one past the bound, or its lock could not be had in time.
+///
+/// The partition is locked ACCESS EXCLUSIVE first: no transaction that raised into it is still
+/// running (those hold it), none can raise into it until this one ends, so the newest position
+/// read under the lock is the newest it will ever have held when TRUNCATE empties it.
+fn truncate_if_passed(k: i16, bound: Position) -> bool {
+    let table = format!("outbox.events_{k}");
+    let outcome = crate::transaction::in_subtransaction(|| {
+        Spi::run(&format!(
+            "SET LOCAL lock_timeout = '{TRUNCATE_LOCK_TIMEOUT}'; \
+             LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
+        ))
+        .expect("locking a partition of the log");
+        let newest = Spi::get_two::<String, i64>(&format!(
+            "SELECT txid::text, seq FROM {table} ORDER BY txid DESC, seq DESC LIMIT 1"
+        ));
+        let passed = match newest {
+            Ok((Some(txid), Some(seq))) => {
+                Position::new(txid.parse().expect("xid8 prints as an integer"), seq) <= bound
+            }
+            Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => false,
+            Err(e) => panic!("reading a partition of the log: {e}"),
+        };
+        if passed {
+            Spi::run(&format!("TRUNCATE {table}")).expect("truncating a partition of the log");
+        }
+        passed
+    });
+    // The subtransaction kept or undid the SET LOCAL: the rest of the transaction waits as usual.
+    Spi::run("SET LOCAL lock_timeout = DEFAULT").expect("resetting lock_timeout");
+    match outcome {
+        Ok(truncated) => truncated,
+        // 55P03: readers held the partition for longer than the timeout; next time.
+        Err(f) if f.sqlstate == "55P03" => false,
+        Err(f) => panic!("pruning {table}: {f}"),
+    }
+}
+
+/// `outbox._log_part()`: the default of `outbox.events.part`, the partition for the events of
+/// the current transaction (by the time it began, like `raised_at`).
+#[unsafe(no_mangle)]
+pub extern "C" fn pg_finfo_pg_outbox_log_part() -> &'static pg_sys::Pg_finfo_record {
+    const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn pg_outbox_log_part(
+    _fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    let period_s = rotation::period_s(
+        settings::RETENTION_S.get() as i64,
+        settings::PRUNE_INTERVAL_S.get() as i64,
+    );
+    // SAFETY: reads the start time of the current transaction (now()).
+    let began = unix_us(unsafe { pg_sys::GetCurrentTransactionStartTimestamp() });
+    pg_sys::Datum::from(rotation::part(began, period_s))
 }

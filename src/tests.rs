@@ -139,7 +139,22 @@ mod tests {
             one::<String>(
                 "SELECT pg_get_indexdef(indexrelid) FROM pg_index WHERE indrelid = 'outbox.events'::regclass"
             ),
-            "CREATE UNIQUE INDEX events_pkey ON outbox.events USING btree (txid, seq)"
+            "CREATE UNIQUE INDEX events_pkey ON ONLY outbox.events USING btree (txid, seq, part)"
+        );
+        // Each partition has that index and no other.
+        assert_eq!(
+            one::<String>(
+                "SELECT string_agg(c.relname || ': ' || pg_get_indexdef(i.indexrelid), '; ' ORDER BY c.relname) \
+                   FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid \
+                   JOIN pg_index i ON i.indrelid = c.oid \
+                  WHERE h.inhparent = 'outbox.events'::regclass"
+            ),
+            (0..4)
+                .map(|k| format!(
+                    "events_{k}: CREATE UNIQUE INDEX events_{k}_pkey ON outbox.events_{k} USING btree (txid, seq, part)"
+                ))
+                .collect::<Vec<_>>()
+                .join("; ")
         );
     }
 
@@ -149,6 +164,8 @@ mod tests {
         for (object, check) in [
             ("outbox.events", "has_table_privilege('outbox_test_nobody', 'outbox.events', 'SELECT,INSERT,UPDATE,DELETE')"),
             ("outbox.consumers", "has_table_privilege('outbox_test_nobody', 'outbox.consumers', 'SELECT,INSERT,UPDATE,DELETE')"),
+            ("outbox.events_0", "has_table_privilege('outbox_test_nobody', 'outbox.events_0', 'SELECT,INSERT,UPDATE,DELETE,TRUNCATE')"),
+            ("outbox.log_rotation", "has_table_privilege('outbox_test_nobody', 'outbox.log_rotation', 'SELECT,INSERT,UPDATE,DELETE')"),
             ("schema", "has_schema_privilege('outbox_test_nobody', 'outbox', 'USAGE')"),
             ("raise", "has_function_privilege('outbox_test_nobody', 'outbox.raise(text,jsonb,text,text,jsonb)', 'EXECUTE')"),
             ("read", "has_function_privilege('outbox_test_nobody', 'outbox.read(text,integer)', 'EXECUTE')"),

@@ -16,6 +16,7 @@ pub mod options;
 pub mod pattern;
 pub mod policy;
 pub mod position;
+pub mod rotation;
 pub mod topic;
 
 pub use position::{Position, StartAt};

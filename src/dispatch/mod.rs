@@ -81,10 +81,15 @@ pub struct DueSinks {
 /// extension script creates them. Indexes and TOAST tables are not members: DROP EXTENSION reaches
 /// them through their table, which it must lock first. src/tests.rs checks that this list names
 /// every member.
-pub(crate) const MEMBER_RELATIONS: [&std::ffi::CStr; 17] = [
+pub(crate) const MEMBER_RELATIONS: [&std::ffi::CStr; 22] = [
     c"lineage",
     c"events_seq",
     c"events",
+    c"events_0",
+    c"events_1",
+    c"events_2",
+    c"events_3",
+    c"log_rotation",
     c"consumers",
     c"sinks",
     c"http_sinks",

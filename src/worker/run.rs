@@ -796,7 +796,7 @@ impl Worker {
         self.last_prune = Some(Instant::now());
         activity("pruning the log");
         match in_transaction(crate::prune::prune_for_worker) {
-            Ok(n) if n > 0 => pgrx::log!("pg_outbox: pruned {n} events"),
+            Ok(n) if n > 0 => pgrx::log!("pg_outbox: pruned {n} partitions of the log"),
             Ok(_) => {}
             Err(e) => self.failed(&format!("pruning: {e}")),
         }

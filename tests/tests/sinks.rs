@@ -3,7 +3,7 @@
 //! neighbour test, outages that lose nothing, isolation between sinks, a worker killed mid-batch
 //! and a server crash, privileges, pause/resume/drop, replay, timed pruning, DROP EXTENSION.
 
-use pg_outbox_tests::{eventually, position, sqlstate, worker_db, TestDb};
+use pg_outbox_tests::{eventually, position, read, sqlstate, worker_db, TestDb};
 use postgres::Client;
 use std::time::{Duration, Instant};
 
@@ -692,30 +692,32 @@ fn create_sink_refuses_bad_input() {
     assert_eq!(count(&mut c, "SELECT count(*) FROM outbox.sinks"), 1);
 }
 
+/// Deletes and dead tuples that pruning left in the partitions of the log.
+fn dead_rows(c: &mut Client) -> i64 {
+    c.batch_execute("SELECT pg_stat_force_next_flush()")
+        .unwrap();
+    c.query_one(
+        "SELECT coalesce(sum(n_tup_del + n_dead_tup), 0)::int8 FROM pg_stat_user_tables \
+          WHERE schemaname = 'outbox' AND relname LIKE 'events\\_%'",
+        &[],
+    )
+    .unwrap()
+    .get(0)
+}
+
 #[test]
-fn the_worker_prunes_on_a_timer_only_what_every_consumer_passed() {
+fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
     let (db, mut c) = setup("sink_prune");
     recording_sink(&mut c, "books", "");
     c.batch_execute("SELECT outbox.create_consumer('laggard')")
         .unwrap();
-    c.batch_execute("SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series(1, 20) i").unwrap();
-    wait_ledger(&mut c, "books", 20, Duration::from_secs(10));
     db.cluster().set("pg_outbox.retention", "0");
     db.cluster().set("pg_outbox.prune_interval", "1s");
-    // The laggard never advanced: it holds the log, whatever the retention.
-    let passes = |c: &mut Client| -> i64 {
-        c.query_one("SELECT sum(passes)::int8 FROM outbox.workers()", &[])
-            .unwrap()
-            .get(0)
-    };
-    let before = passes(&mut c);
-    eventually(
-        "a few seconds of worker passes",
-        Duration::from_secs(20),
-        || (passes(&mut c) > before + 6).then_some(()),
-    );
-    assert_eq!(count(&mut c, "SELECT count(*) FROM outbox.events"), 20);
-    // Once it has passed ten of them, those ten go.
+    c.batch_execute("SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series(1, 20) i").unwrap();
+    wait_ledger(&mut c, "books", 20, Duration::from_secs(10));
+    // Once the workers have kept the one-second period (the new period) for as long as they
+    // wait before truncating anything, and then a few prunes more: the laggard, which has passed
+    // only ten of the events, still holds the partition of all twenty.
     let p: String = c
         .query_one(
             "SELECT position FROM outbox.read('laggard', 10) OFFSET 9",
@@ -725,9 +727,96 @@ fn the_worker_prunes_on_a_timer_only_what_every_consumer_passed() {
         .get(0);
     c.execute("SELECT outbox.advance('laggard', $1)", &[&p])
         .unwrap();
+    eventually(
+        "the period to be recorded and settled",
+        Duration::from_secs(30),
+        || {
+            let settled: Option<bool> = c
+                .query_one(
+                    "SELECT bool_and(period_s = 1 AND since < now() - interval '9 seconds') \
+                       FROM outbox.log_rotation",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            settled.unwrap_or(false).then_some(())
+        },
+    );
+    assert_eq!(count(&mut c, "SELECT count(*) FROM outbox.events"), 20);
+    assert_eq!(
+        read(&mut c, "laggard", 100).len(),
+        10,
+        "the laggard still reads what it has not passed"
+    );
+    // Once it has passed them all, the partition goes, whole.
+    let p: String = c
+        .query_one(
+            "SELECT position FROM outbox.read('laggard', 100) OFFSET 9",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    c.execute("SELECT outbox.advance('laggard', $1)", &[&p])
+        .unwrap();
     eventually("the worker to prune", Duration::from_secs(20), || {
-        (count(&mut c, "SELECT count(*) FROM outbox.events") == 10).then_some(())
+        (count(&mut c, "SELECT count(*) FROM outbox.events") == 0).then_some(())
     });
+    assert_eq!(
+        dead_rows(&mut c),
+        0,
+        "pruning deleted nothing: it truncated"
+    );
+    assert!(db
+        .cluster()
+        .log()
+        .contains("pg_outbox: pruned 1 partitions of the log"));
+    // The log goes on after the truncation: new events reach the laggard and the sink.
+    c.batch_execute("SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series(21, 25) i").unwrap();
+    wait_ledger(&mut c, "books", 25, Duration::from_secs(10));
+    let after = read(&mut c, "laggard", 100);
+    assert_eq!(after.len(), 5);
+    c.execute("SELECT outbox.advance('laggard', $1)", &[&after[4].0])
+        .unwrap();
+
+    // With a retention, a partition every reader passed still waits until its newest event is
+    // that old. A new period (2 s): nothing is truncated until it has settled.
+    db.cluster().set("pg_outbox.retention", "3s");
+    eventually(
+        "the new period to be recorded and settled",
+        Duration::from_secs(40),
+        || {
+            let settled: Option<bool> = c
+                .query_one(
+                    "SELECT bool_and(period_s = 2 AND since < now() - interval '11 seconds') \
+                       FROM outbox.log_rotation",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            settled.unwrap_or(false).then_some(())
+        },
+    );
+    c.batch_execute("SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series(26, 30) i").unwrap();
+    wait_ledger(&mut c, "books", 30, Duration::from_secs(10));
+    let fresh = read(&mut c, "laggard", 100);
+    assert_eq!(fresh.len(), 5);
+    c.execute("SELECT outbox.advance('laggard', $1)", &[&fresh[4].0])
+        .unwrap();
+    let newest: std::time::SystemTime = c
+        .query_one("SELECT max(raised_at) FROM outbox.events", &[])
+        .unwrap()
+        .get(0);
+    eventually("the worker to prune", Duration::from_secs(30), || {
+        (count(&mut c, "SELECT count(*) FROM outbox.events") == 0).then_some(())
+    });
+    let kept = std::time::SystemTime::now()
+        .duration_since(newest)
+        .unwrap_or_default();
+    assert!(
+        kept >= Duration::from_secs(3),
+        "events passed by every reader were kept only {kept:?}, under the 3 s retention"
+    );
+    assert_eq!(dead_rows(&mut c), 0);
     db.cluster().set("pg_outbox.retention", "7d");
     db.cluster().set("pg_outbox.prune_interval", "1h");
 }

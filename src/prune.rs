@@ -203,12 +203,16 @@ const TRUNCATE_LOCK_TIMEOUT: &str = "200ms";
 /// read under the lock is the newest it will ever have held when TRUNCATE empties it.
 fn truncate_if_passed(k: i16, bound: Position) -> bool {
     let table = format!("outbox.events_{k}");
+    // At once when nobody holds it (an idle log): then no reader ever queues behind the lock.
+    let locked = lock_partition_now(k);
     let outcome = crate::transaction::in_subtransaction(|| {
-        Spi::run(&format!(
-            "SET LOCAL lock_timeout = '{TRUNCATE_LOCK_TIMEOUT}'; \
-             LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
-        ))
-        .expect("locking a partition of the log");
+        if !locked {
+            Spi::run(&format!(
+                "SET LOCAL lock_timeout = '{TRUNCATE_LOCK_TIMEOUT}'; \
+                 LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
+            ))
+            .expect("locking a partition of the log");
+        }
         let newest = Spi::get_two::<String, i64>(&format!(
             "SELECT txid::text, seq FROM {table} ORDER BY txid DESC, seq DESC LIMIT 1"
         ));
@@ -231,6 +235,21 @@ fn truncate_if_passed(k: i16, bound: Position) -> bool {
         // 55P03: readers held the partition for longer than the timeout; next time.
         Err(f) if f.sqlstate == "55P03" => false,
         Err(f) => panic!("pruning {table}: {f}"),
+    }
+}
+
+/// Locks partition `k` ACCESS EXCLUSIVE if that needs no wait.
+fn lock_partition_now(k: i16) -> bool {
+    let name = std::ffi::CString::new(format!("events_{k}")).expect("no NUL in a table name");
+    // SAFETY: catalog lookups and a lock-manager call that returns false instead of waiting.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), false);
+        let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
+        relid != pg_sys::InvalidOid
+            && pg_sys::ConditionalLockRelationOid(
+                relid,
+                pg_sys::AccessExclusiveLock as pg_sys::LOCKMODE,
+            )
     }
 }
 

@@ -133,33 +133,171 @@ fn prune(
     )
 }
 
-/// The worker's timed prune: truncates every partition of the log that has aged past
-/// `pg_outbox.retention` and that every reader has passed; returns how many it truncated.
-pub fn prune_for_worker() -> i64 {
+/// The partitions of the log that have aged past `pg_outbox.retention` by the clock (see
+/// `pg_outbox_core::rotation`); the worker prunes each in a transaction of its own
+/// ([`prune_partition`]).
+pub fn aged_partitions() -> Vec<i16> {
+    let retention_s = settings::RETENTION_S.get() as i64;
+    let period_s = rotation::period_s(retention_s, settings::PRUNE_INTERVAL_S.get() as i64);
+    // SAFETY: reads the clock.
+    let now_us = unix_us(unsafe { pg_sys::GetCurrentTimestamp() });
+    (0..rotation::PARTITIONS as i16)
+        .filter(|&k| rotation::aged(k, now_us, period_s, retention_s))
+        .collect()
+}
+
+/// What the worker's prune did to one partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pruned {
+    /// Nothing: the period has not settled, a reader has not passed all of it, it was empty, or
+    /// the cursors were locked.
+    Nothing,
+    /// Truncated: every event in it was passed.
+    Truncated,
+    /// Its lock could not be had in time, or a transaction older than the cursors' bound was
+    /// running (TRUNCATE is not MVCC-safe: it would find the partition empty): this many passed
+    /// events were DELETEd from it instead, as `outbox.prune()` does.
+    Deleted(i64),
+}
+
+/// The worker's timed prune of partition `k` (one of [`aged_partitions`]): truncates it once
+/// every reader has passed all of it, else deletes what every reader passed when a reader holds
+/// it. Runs in a transaction of its own, so that the partition's lock is held only for this.
+pub fn prune_partition(k: i16) -> Pruned {
     if !crate::dispatch::lock_tables() {
-        return 0;
+        return Pruned::Nothing;
     }
     let retention_s = settings::RETENTION_S.get() as i64;
     let period_s = rotation::period_s(retention_s, settings::PRUNE_INTERVAL_S.get() as i64);
     // SAFETY: reads the clock.
     let now_us = unix_us(unsafe { pg_sys::GetCurrentTimestamp() });
+    let settled = as_owner(|| {
+        rotation::settled(
+            rotation_since(period_s, now_us),
+            now_us,
+            period_s,
+            retention_s,
+        )
+    });
+    if !settled || !rotation::aged(k, now_us, period_s, retention_s) {
+        return Pruned::Nothing;
+    }
+    let table = format!("outbox.events_{k}");
+    if !lock_partition(k) {
+        return delete_passed(&table);
+    }
+    // Under the lock, nobody raises into the partition, and every transaction that did has
+    // ended: its newest position now is the newest it will have held when TRUNCATE empties it.
+    // SAFETY: reads the clock.
+    let bound_at = unsafe { pg_sys::GetCurrentTimestamp() };
+    let Some(bound) = as_owner(|| prune_bound(false)) else {
+        return Pruned::Nothing;
+    };
+    let newest = as_owner(|| {
+        // ORDER BY e.txid, not txid: a bare name would sort by the text column of the output
+        // ("99998" after "100003"), and truncate past the bound.
+        Spi::get_two::<String, i64>(&format!(
+            "SELECT e.txid::text, e.seq FROM {table} e ORDER BY e.txid DESC, e.seq DESC LIMIT 1"
+        ))
+    });
+    let newest = match newest {
+        Ok((Some(txid), Some(seq))) => {
+            Position::new(txid.parse().expect("xid8 prints as an integer"), seq)
+        }
+        Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => return Pruned::Nothing,
+        Err(e) => panic!("reading {table}: {e}"),
+    };
+    if newest > bound {
+        return Pruned::Nothing;
+    }
+    // A transaction whose snapshot is older than the cursors read for the bound (pg_dump, say)
+    // may see cursors behind it, and would find the partition empty after TRUNCATE.
+    if older_snapshot_running(bound_at) {
+        return delete_passed(&table);
+    }
+    as_owner(|| Spi::run(&format!("TRUNCATE {table}"))).expect("truncating a partition of the log");
+    Pruned::Truncated
+}
+
+/// How long a worker waits for the lock that truncating a partition takes, when readers hold it:
+/// the log's other readers (other workers' steps, pull consumers) queue behind it for at most
+/// this long.
+const TRUNCATE_LOCK_TIMEOUT: &str = "200ms";
+
+/// Locks partition `k` ACCESS EXCLUSIVE: at once when nobody holds it (an idle log: then no
+/// reader ever queues behind it), else waiting at most [`TRUNCATE_LOCK_TIMEOUT`]. False when it
+/// could not be had (a lock timeout or a deadlock).
+fn lock_partition(k: i16) -> bool {
+    if lock_partition_now(k) {
+        return true;
+    }
+    let locked = crate::transaction::in_subtransaction(|| {
+        Spi::run(&format!(
+            "SET LOCAL lock_timeout = '{TRUNCATE_LOCK_TIMEOUT}'; \
+             LOCK TABLE outbox.events_{k} IN ACCESS EXCLUSIVE MODE; \
+             SET LOCAL lock_timeout = 0"
+        ))
+        .expect("locking a partition of the log");
+    });
+    match locked {
+        Ok(()) => true,
+        // 55P03: readers held it past the timeout; 40P01: a deadlock with one, which lost this.
+        Err(f) if f.sqlstate == "55P03" || f.sqlstate == "40P01" => false,
+        Err(f) => panic!("locking outbox.events_{k}: {f}"),
+    }
+}
+
+/// Whether another transaction of this database that began before `at` has a snapshot.
+fn older_snapshot_running(at: pg_sys::TimestampTz) -> bool {
+    // The worker's own identity (a superuser) sees every backend's columns.
+    Spi::get_one_with_args::<bool>(
+        "SELECT EXISTS (SELECT FROM pg_catalog.pg_stat_activity \
+                         WHERE pid OPERATOR(pg_catalog.<>) pg_catalog.pg_backend_pid() \
+                           AND datid = (SELECT oid FROM pg_catalog.pg_database \
+                                         WHERE datname = pg_catalog.current_database()) \
+                           AND backend_type OPERATOR(pg_catalog.<>) 'autovacuum worker' \
+                           AND backend_xmin IS NOT NULL \
+                           AND xact_start OPERATOR(pg_catalog.<) $1)",
+        &[DatumWithOid::from(
+            pgrx::datum::TimestampWithTimeZone::try_from(at).expect("a timestamp"),
+        )],
+    )
+    .expect("looking for older snapshots")
+    .unwrap_or(true)
+}
+
+/// Deletes, in batches, the events of `table` every reader has passed (the cursors' bound): the
+/// partition's events are all older than the retention. MVCC-safe, unlike TRUNCATE.
+fn delete_passed(table: &str) -> Pruned {
     as_owner(|| {
-        let since_us = rotation_since(period_s, now_us);
-        if !rotation::settled(since_us, now_us, period_s, retention_s) {
-            return 0;
-        }
-        let aged: Vec<i16> = (0..rotation::PARTITIONS as i16)
-            .filter(|&k| rotation::aged(k, now_us, period_s, retention_s))
-            .collect();
-        if aged.is_empty() {
-            return 0;
-        }
         let Some(bound) = prune_bound(false) else {
-            return 0;
+            return Pruned::Nothing;
         };
-        aged.into_iter()
-            .filter(|&k| truncate_if_passed(k, bound))
-            .count() as i64
+        let sql = format!(
+            "WITH batch AS ( \
+                SELECT txid, seq FROM {table} WHERE (txid, seq) <= ($1::xid8, $2) \
+                 ORDER BY txid, seq LIMIT 10000), \
+             gone AS ( \
+                DELETE FROM {table} e USING batch b WHERE (e.txid, e.seq) = (b.txid, b.seq) \
+                RETURNING 1) \
+             SELECT count(*) FROM gone"
+        );
+        let mut total = 0i64;
+        loop {
+            let deleted = Spi::get_one_with_args::<i64>(
+                &sql,
+                &[
+                    DatumWithOid::from(bound.txid.to_string()),
+                    DatumWithOid::from(bound.seq),
+                ],
+            )
+            .expect("deleting passed events")
+            .unwrap_or(0);
+            total += deleted;
+            if deleted < 10_000 {
+                break Pruned::Deleted(total);
+            }
+        }
     })
 }
 
@@ -188,53 +326,6 @@ fn rotation_since(period_s: i64, now_us: i64) -> i64 {
             now_us
         }
         Err(e) => panic!("reading the log's rotation: {e}"),
-    }
-}
-
-/// How long a worker waits for the lock that truncating a partition takes: readers of the log
-/// (other workers' steps, pull consumers) wait behind it for at most this long.
-const TRUNCATE_LOCK_TIMEOUT: &str = "200ms";
-
-/// Truncates partition `k` if every event in it is at or behind `bound`; false when it held
-/// none, held one past the bound, or its lock could not be had in time.
-///
-/// The partition is locked ACCESS EXCLUSIVE first: no transaction that raised into it is still
-/// running (those hold it), none can raise into it until this one ends, so the newest position
-/// read under the lock is the newest it will ever have held when TRUNCATE empties it.
-fn truncate_if_passed(k: i16, bound: Position) -> bool {
-    let table = format!("outbox.events_{k}");
-    // At once when nobody holds it (an idle log): then no reader ever queues behind the lock.
-    let locked = lock_partition_now(k);
-    let outcome = crate::transaction::in_subtransaction(|| {
-        if !locked {
-            Spi::run(&format!(
-                "SET LOCAL lock_timeout = '{TRUNCATE_LOCK_TIMEOUT}'; \
-                 LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
-            ))
-            .expect("locking a partition of the log");
-        }
-        let newest = Spi::get_two::<String, i64>(&format!(
-            "SELECT txid::text, seq FROM {table} ORDER BY txid DESC, seq DESC LIMIT 1"
-        ));
-        let passed = match newest {
-            Ok((Some(txid), Some(seq))) => {
-                Position::new(txid.parse().expect("xid8 prints as an integer"), seq) <= bound
-            }
-            Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => false,
-            Err(e) => panic!("reading a partition of the log: {e}"),
-        };
-        if passed {
-            Spi::run(&format!("TRUNCATE {table}")).expect("truncating a partition of the log");
-        }
-        passed
-    });
-    // The subtransaction kept or undid the SET LOCAL: the rest of the transaction waits as usual.
-    Spi::run("SET LOCAL lock_timeout = DEFAULT").expect("resetting lock_timeout");
-    match outcome {
-        Ok(truncated) => truncated,
-        // 55P03: readers held the partition for longer than the timeout; next time.
-        Err(f) if f.sqlstate == "55P03" => false,
-        Err(f) => panic!("pruning {table}: {f}"),
     }
 }
 

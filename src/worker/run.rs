@@ -795,10 +795,19 @@ impl Worker {
         }
         self.last_prune = Some(Instant::now());
         activity("pruning the log");
-        match in_transaction(crate::prune::prune_for_worker) {
-            Ok(n) if n > 0 => pgrx::log!("pg_outbox: pruned {n} partitions of the log"),
-            Ok(_) => {}
-            Err(e) => self.failed(&format!("pruning: {e}")),
+        for k in crate::prune::aged_partitions() {
+            use crate::prune::Pruned;
+            match in_transaction(|| crate::prune::prune_partition(k)) {
+                Ok(Pruned::Truncated) => {
+                    pgrx::log!("pg_outbox: pruned the log: truncated outbox.events_{k}")
+                }
+                Ok(Pruned::Deleted(n)) if n > 0 => pgrx::log!(
+                    "pg_outbox: pruned the log: deleted {n} events of outbox.events_{k} \
+                     (a reader held it, or a transaction older than the cursors was running)"
+                ),
+                Ok(_) => {}
+                Err(e) => self.failed(&format!("pruning: {e}")),
+            }
         }
     }
 

@@ -6,9 +6,10 @@
 //! than the retention.
 //!
 //! The workers prune every `pg_outbox.prune_interval` by truncating whole partitions of the log
-//! (`pg_outbox_core::rotation`): no DELETE, so no dead tuples and no index bloat on the hottest
-//! table. `outbox.prune()`, for operators, deletes exactly what may go, in bounded batches in log
-//! order.
+//! (`pg_outbox_core::rotation`): no dead tuples and no index bloat on the hottest table. Only
+//! when a reader holds a partition past a short wait, or a transaction older than the cursors
+//! runs (TRUNCATE is not MVCC-safe), do they DELETE its passed events instead, batch by batch.
+//! `outbox.prune()`, for operators, deletes exactly what may go, in bounded batches in log order.
 
 use crate::error::{Error, OrReport};
 use crate::owner::as_owner;
@@ -138,12 +139,32 @@ fn prune(
 /// ([`prune_partition`]).
 pub fn aged_partitions() -> Vec<i16> {
     let retention_s = settings::RETENTION_S.get() as i64;
-    let period_s = rotation::period_s(retention_s, settings::PRUNE_INTERVAL_S.get() as i64);
+    let period_s = period_s();
     // SAFETY: reads the clock.
     let now_us = unix_us(unsafe { pg_sys::GetCurrentTimestamp() });
     (0..rotation::PARTITIONS as i16)
         .filter(|&k| rotation::aged(k, now_us, period_s, retention_s))
         .collect()
+}
+
+/// The period by which the partitions of the log take turns, in seconds, from the settings.
+pub fn period_s() -> i64 {
+    rotation::period_s(
+        settings::RETENTION_S.get() as i64,
+        settings::PRUNE_INTERVAL_S.get() as i64,
+    )
+}
+
+/// Records the period in `outbox.log_rotation` if it is not the one recorded: a worker does as
+/// soon as it reloads settings that change it, so that the hold-off after a change starts then,
+/// not at the next prune (a change and a change back between two prunes would go unseen).
+pub fn record_period() {
+    if !crate::dispatch::lock_tables() {
+        return;
+    }
+    // SAFETY: reads the clock.
+    let now_us = unix_us(unsafe { pg_sys::GetCurrentTimestamp() });
+    as_owner(|| rotation_since(period_s(), now_us));
 }
 
 /// What the worker's prune did to one partition.
@@ -154,21 +175,41 @@ pub enum Pruned {
     Nothing,
     /// Truncated: every event in it was passed.
     Truncated,
-    /// Its lock could not be had in time, or a transaction older than the cursors' bound was
-    /// running (TRUNCATE is not MVCC-safe: it would find the partition empty): this many passed
-    /// events were DELETEd from it instead, as `outbox.prune()` does.
-    Deleted(i64),
+    /// Not truncated, though every reader passed it: the worker DELETEs what they passed instead,
+    /// batch by batch ([`delete_passed`]), as `outbox.prune()` does.
+    Delete(Why),
 }
 
-/// The worker's timed prune of partition `k` (one of [`aged_partitions`]): truncates it once
-/// every reader has passed all of it, else deletes what every reader passed when a reader holds
-/// it. Runs in a transaction of its own, so that the partition's lock is held only for this.
+/// Why a partition every reader passed was not truncated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// Its lock could not be had in time: readers of the log held it.
+    Held,
+    /// A transaction older than the cursors read for the bound was running (pg_dump's, say):
+    /// TRUNCATE is not MVCC-safe, and it would find the partition empty while it still sees
+    /// cursors behind the events.
+    OlderSnapshot,
+}
+
+impl std::fmt::Display for Why {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Why::Held => "a reader held it",
+            Why::OlderSnapshot => "a transaction older than the cursors was running",
+        })
+    }
+}
+
+/// The worker's timed prune of partition `k` (one of [`aged_partitions`]), in a transaction of
+/// its own: truncates it once every reader has passed all of it. The partition's lock is held
+/// only while that is checked and done: when it is not done, the lock goes with a subtransaction
+/// rolled back, before any DELETE.
 pub fn prune_partition(k: i16) -> Pruned {
     if !crate::dispatch::lock_tables() {
         return Pruned::Nothing;
     }
     let retention_s = settings::RETENTION_S.get() as i64;
-    let period_s = rotation::period_s(retention_s, settings::PRUNE_INTERVAL_S.get() as i64);
+    let period_s = period_s();
     // SAFETY: reads the clock.
     let now_us = unix_us(unsafe { pg_sys::GetCurrentTimestamp() });
     let settled = as_owner(|| {
@@ -183,40 +224,44 @@ pub fn prune_partition(k: i16) -> Pruned {
         return Pruned::Nothing;
     }
     let table = format!("outbox.events_{k}");
-    if !lock_partition(k) {
-        return delete_passed(&table);
-    }
-    // Under the lock, nobody raises into the partition, and every transaction that did has
-    // ended: its newest position now is the newest it will have held when TRUNCATE empties it.
-    // SAFETY: reads the clock.
-    let bound_at = unsafe { pg_sys::GetCurrentTimestamp() };
-    let Some(bound) = as_owner(|| prune_bound(false)) else {
-        return Pruned::Nothing;
-    };
-    let newest = as_owner(|| {
-        // ORDER BY e.txid, not txid: a bare name would sort by the text column of the output
-        // ("99998" after "100003"), and truncate past the bound.
-        Spi::get_two::<String, i64>(&format!(
-            "SELECT e.txid::text, e.seq FROM {table} e ORDER BY e.txid DESC, e.seq DESC LIMIT 1"
-        ))
-    });
-    let newest = match newest {
-        Ok((Some(txid), Some(seq))) => {
-            Position::new(txid.parse().expect("xid8 prints as an integer"), seq)
+    let outcome = crate::transaction::in_subtransaction_kept_if(|| {
+        if !lock_partition(k) {
+            return (Pruned::Delete(Why::Held), false);
         }
-        Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => return Pruned::Nothing,
-        Err(e) => panic!("reading {table}: {e}"),
-    };
-    if newest > bound {
-        return Pruned::Nothing;
-    }
-    // A transaction whose snapshot is older than the cursors read for the bound (pg_dump, say)
-    // may see cursors behind it, and would find the partition empty after TRUNCATE.
-    if older_snapshot_running(bound_at) {
-        return delete_passed(&table);
-    }
-    as_owner(|| Spi::run(&format!("TRUNCATE {table}"))).expect("truncating a partition of the log");
-    Pruned::Truncated
+        // Under the lock, nobody raises into the partition, and every transaction that did has
+        // ended: its newest position now is the newest it will have held when TRUNCATE empties it.
+        let Some(bound) = as_owner(|| prune_bound(false)) else {
+            return (Pruned::Nothing, false);
+        };
+        // After the cursors were read: a transaction that began later sees them as they were
+        // read, or further on.
+        // SAFETY: reads the clock.
+        let bound_at = unsafe { pg_sys::GetCurrentTimestamp() };
+        let newest = as_owner(|| {
+            // ORDER BY e.txid, not txid: a bare name would sort by the text column of the
+            // output ("99998" after "100003"), and truncate past the bound.
+            Spi::get_two::<String, i64>(&format!(
+                "SELECT e.txid::text, e.seq FROM {table} e ORDER BY e.txid DESC, e.seq DESC LIMIT 1"
+            ))
+        });
+        let newest = match newest {
+            Ok((Some(txid), Some(seq))) => {
+                Position::new(txid.parse().expect("xid8 prints as an integer"), seq)
+            }
+            Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => return (Pruned::Nothing, false),
+            Err(e) => panic!("reading {table}: {e}"),
+        };
+        if newest > bound {
+            return (Pruned::Nothing, false);
+        }
+        if older_snapshot_running(bound_at) {
+            return (Pruned::Delete(Why::OlderSnapshot), false);
+        }
+        as_owner(|| Spi::run(&format!("TRUNCATE {table}")))
+            .expect("truncating a partition of the log");
+        (Pruned::Truncated, true)
+    });
+    outcome.unwrap_or_else(|f| panic!("pruning {table}: {f}"))
 }
 
 /// How long a worker waits for the lock that truncating a partition takes, when readers hold it:
@@ -247,7 +292,9 @@ fn lock_partition(k: i16) -> bool {
     }
 }
 
-/// Whether another transaction of this database that began before `at` has a snapshot.
+/// Whether another transaction of this database that began before `at` has a snapshot. The
+/// workers' own do not count: a worker's transaction reads the log only once it holds every
+/// partition (see `crate::dispatch::lock_members`), which it cannot while the caller holds one.
 fn older_snapshot_running(at: pg_sys::TimestampTz) -> bool {
     // The worker's own identity (a superuser) sees every backend's columns.
     Spi::get_one_with_args::<bool>(
@@ -256,6 +303,7 @@ fn older_snapshot_running(at: pg_sys::TimestampTz) -> bool {
                            AND datid = (SELECT oid FROM pg_catalog.pg_database \
                                          WHERE datname = pg_catalog.current_database()) \
                            AND backend_type OPERATOR(pg_catalog.<>) 'autovacuum worker' \
+                           AND backend_type OPERATOR(pg_catalog.<>) 'pg_outbox worker' \
                            AND backend_xmin IS NOT NULL \
                            AND xact_start OPERATOR(pg_catalog.<) $1)",
         &[DatumWithOid::from(
@@ -266,38 +314,38 @@ fn older_snapshot_running(at: pg_sys::TimestampTz) -> bool {
     .unwrap_or(true)
 }
 
-/// Deletes, in batches, the events of `table` every reader has passed (the cursors' bound): the
-/// partition's events are all older than the retention. MVCC-safe, unlike TRUNCATE.
-fn delete_passed(table: &str) -> Pruned {
+/// Events one transaction of the worker's prune DELETEs from a partition at most.
+pub const DELETE_BATCH: i64 = 10_000;
+
+/// Deletes up to [`DELETE_BATCH`] of the events of partition `k` that every reader has passed
+/// (the cursors' bound), in a transaction of the worker's own, and returns how many. The
+/// partition has aged: all its events are older than the retention. MVCC-safe, unlike TRUNCATE.
+pub fn delete_passed(k: i16) -> i64 {
+    if !crate::dispatch::lock_tables() {
+        return 0;
+    }
     as_owner(|| {
         let Some(bound) = prune_bound(false) else {
-            return Pruned::Nothing;
+            return 0;
         };
-        let sql = format!(
-            "WITH batch AS ( \
-                SELECT txid, seq FROM {table} WHERE (txid, seq) <= ($1::xid8, $2) \
-                 ORDER BY txid, seq LIMIT 10000), \
-             gone AS ( \
-                DELETE FROM {table} e USING batch b WHERE (e.txid, e.seq) = (b.txid, b.seq) \
-                RETURNING 1) \
-             SELECT count(*) FROM gone"
-        );
-        let mut total = 0i64;
-        loop {
-            let deleted = Spi::get_one_with_args::<i64>(
-                &sql,
-                &[
-                    DatumWithOid::from(bound.txid.to_string()),
-                    DatumWithOid::from(bound.seq),
-                ],
-            )
-            .expect("deleting passed events")
-            .unwrap_or(0);
-            total += deleted;
-            if deleted < 10_000 {
-                break Pruned::Deleted(total);
-            }
-        }
+        Spi::get_one_with_args::<i64>(
+            &format!(
+                "WITH batch AS ( \
+                    SELECT txid, seq FROM outbox.events_{k} WHERE (txid, seq) <= ($1::xid8, $2) \
+                     ORDER BY txid, seq LIMIT $3), \
+                 gone AS ( \
+                    DELETE FROM outbox.events_{k} e USING batch b \
+                     WHERE (e.txid, e.seq) = (b.txid, b.seq) RETURNING 1) \
+                 SELECT count(*) FROM gone"
+            ),
+            &[
+                DatumWithOid::from(bound.txid.to_string()),
+                DatumWithOid::from(bound.seq),
+                DatumWithOid::from(DELETE_BATCH),
+            ],
+        )
+        .expect("deleting passed events")
+        .unwrap_or(0)
     })
 }
 
@@ -357,10 +405,7 @@ pub extern "C" fn pg_finfo_pg_outbox_log_part() -> &'static pg_sys::Pg_finfo_rec
 pub unsafe extern "C-unwind" fn pg_outbox_log_part(
     _fcinfo: pg_sys::FunctionCallInfo,
 ) -> pg_sys::Datum {
-    let period_s = rotation::period_s(
-        settings::RETENTION_S.get() as i64,
-        settings::PRUNE_INTERVAL_S.get() as i64,
-    );
+    let period_s = period_s();
     // SAFETY: reads the start time of the current transaction (now()).
     let began = unix_us(unsafe { pg_sys::GetCurrentTransactionStartTimestamp() });
     pg_sys::Datum::from(rotation::part(began, period_s))

@@ -127,6 +127,13 @@ pub fn refresh_snapshot() {
 /// Runs `f` in a subtransaction: released on success, rolled back on an ERROR, which is returned.
 /// Everything `f` did is undone on failure; what the caller did before is kept.
 pub fn in_subtransaction<R>(f: impl FnOnce() -> R) -> Result<R, Failure> {
+    in_subtransaction_kept_if(|| (f(), true))
+}
+
+/// Runs `f` in a subtransaction that is released (kept) when `f` says so, with the second value
+/// it returns, and otherwise rolled back: that undoes what it did and lets go of the locks it
+/// took. An ERROR rolls it back too, and is returned.
+pub fn in_subtransaction_kept_if<R>(f: impl FnOnce() -> (R, bool)) -> Result<R, Failure> {
     // SAFETY: the same sequence as PL/pgSQL's exception blocks (pl_exec.c, exec_stmt_block): keep
     // running in the caller's memory context and restore the resource owner afterwards.
     unsafe {
@@ -138,12 +145,12 @@ pub fn in_subtransaction<R>(f: impl FnOnce() -> R) -> Result<R, Failure> {
             .catch_others(|e| Err(failure_from(e)))
             .execute();
         match result {
-            Ok(_) => pg_sys::ReleaseCurrentSubTransaction(),
-            Err(_) => pg_sys::RollbackAndReleaseCurrentSubTransaction(),
+            Ok((_, true)) => pg_sys::ReleaseCurrentSubTransaction(),
+            Ok((_, false)) | Err(_) => pg_sys::RollbackAndReleaseCurrentSubTransaction(),
         }
         pg_sys::MemoryContextSwitchTo(context);
         pg_sys::CurrentResourceOwner = owner;
-        result
+        result.map(|(value, _)| value)
     }
 }
 

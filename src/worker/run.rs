@@ -199,8 +199,14 @@ impl Worker {
                 return;
             }
             if BackgroundWorker::sighup_received() {
+                let period = crate::prune::period_s();
                 // SAFETY: the documented way to reload configuration in a background worker.
                 unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+                if crate::prune::period_s() != period {
+                    if let Err(e) = in_transaction(crate::prune::record_period) {
+                        self.failed(&format!("recording the log's period: {e}"));
+                    }
+                }
                 if !settings::serves(&self.database) {
                     pgrx::log!(
                         "pg_outbox worker {} exits: database \"{}\" left pg_outbox.databases",
@@ -796,17 +802,40 @@ impl Worker {
         self.last_prune = Some(Instant::now());
         activity("pruning the log");
         for k in crate::prune::aged_partitions() {
-            use crate::prune::Pruned;
-            match in_transaction(|| crate::prune::prune_partition(k)) {
+            use crate::prune::{Pruned, DELETE_BATCH};
+            let why = match in_transaction(|| crate::prune::prune_partition(k)) {
                 Ok(Pruned::Truncated) => {
-                    pgrx::log!("pg_outbox: pruned the log: truncated outbox.events_{k}")
+                    pgrx::log!("pg_outbox: pruned the log: truncated outbox.events_{k}");
+                    continue;
                 }
-                Ok(Pruned::Deleted(n)) if n > 0 => pgrx::log!(
-                    "pg_outbox: pruned the log: deleted {n} events of outbox.events_{k} \
-                     (a reader held it, or a transaction older than the cursors was running)"
-                ),
-                Ok(_) => {}
-                Err(e) => self.failed(&format!("pruning: {e}")),
+                Ok(Pruned::Delete(why)) => why,
+                Ok(Pruned::Nothing) => continue,
+                Err(e) => {
+                    self.failed(&format!("pruning: {e}"));
+                    continue;
+                }
+            };
+            // Batch by batch, each in its own transaction, while the worker is not asked to stop.
+            let mut deleted = 0;
+            loop {
+                match in_transaction(|| crate::prune::delete_passed(k)) {
+                    Ok(n) => {
+                        deleted += n;
+                        if n < DELETE_BATCH || self.stopping() {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        self.failed(&format!("pruning: {e}"));
+                        break;
+                    }
+                }
+            }
+            if deleted > 0 {
+                pgrx::log!(
+                    "pg_outbox: pruned the log: deleted {deleted} events of outbox.events_{k} \
+                     instead of truncating it ({why})"
+                );
             }
         }
     }

@@ -225,6 +225,11 @@ pub fn prune_partition(k: i16) -> Pruned {
     }
     let table = format!("outbox.events_{k}");
     let outcome = crate::transaction::in_subtransaction_kept_if(|| {
+        // One pruner at a time: two that each held the partition ROW EXCLUSIVE (every worker
+        // step does) and waited for it ACCESS EXCLUSIVE would each time out on the other.
+        if !crate::lease::cursors_exclusive(false) {
+            return (Pruned::Nothing, false);
+        }
         if !lock_partition(k) {
             return (Pruned::Delete(Why::Held), false);
         }

@@ -849,6 +849,27 @@ fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
         line.contains("(a transaction older than the cursors was running)"),
         "{line}"
     );
+
+    // A reader that holds the partitions (a lock, no snapshot) longer than the worker waits:
+    // the passed events are deleted around it.
+    c.batch_execute("SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series(36, 40) i").unwrap();
+    wait_ledger(&mut c, "books", 40, Duration::from_secs(10));
+    dump.batch_execute("BEGIN; LOCK TABLE outbox.events IN ACCESS SHARE MODE")
+        .unwrap();
+    let last = read(&mut c, "laggard", 100);
+    assert_eq!(last.len(), 5);
+    c.execute("SELECT outbox.advance('laggard', $1)", &[&last[4].0])
+        .unwrap();
+    eventually("the worker to prune", Duration::from_secs(30), || {
+        (count(&mut c, "SELECT count(*) FROM outbox.events") == 0).then_some(())
+    });
+    dump.batch_execute("COMMIT").unwrap();
+    let log = db.cluster().log();
+    let held = log
+        .lines()
+        .filter(|l| l.contains("instead of truncating it (a reader held it)"))
+        .count();
+    assert!(held >= 1, "the worker says a reader held the partition");
     db.cluster().set("pg_outbox.retention", "7d");
     db.cluster().set("pg_outbox.prune_interval", "1h");
 }

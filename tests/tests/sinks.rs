@@ -705,6 +705,54 @@ fn dead_rows(c: &mut Client) -> i64 {
     .get(0)
 }
 
+/// Waits until the workers have recorded `period` seconds as the log's period, `secs` seconds
+/// ago at least.
+fn wait_period(c: &mut Client, period: i64, secs: i64) {
+    eventually(
+        "the period to be recorded and settled",
+        Duration::from_secs(40),
+        || {
+            let settled: Option<bool> = c
+                .query_one(
+                    "SELECT bool_and(period_s = $1 AND since < now() - make_interval(secs => $2)) \
+                       FROM outbox.log_rotation",
+                    &[&period, &(secs as f64)],
+                )
+                .unwrap()
+                .get(0);
+            settled.unwrap_or(false).then_some(())
+        },
+    );
+}
+
+/// Raises events `from` to `to` and waits for the sink to have them.
+fn raise_delivered(c: &mut Client, from: i32, to: i32) {
+    c.execute(
+        "SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series($1::int4, $2::int4) i",
+        &[&from, &to],
+    )
+    .unwrap();
+    wait_ledger(c, "books", to as usize, Duration::from_secs(10));
+}
+
+/// Moves the laggard past the `n` events it has not read yet.
+fn pass_all(c: &mut Client, n: usize) {
+    let events = read(c, "laggard", 100);
+    assert_eq!(events.len(), n);
+    c.execute(
+        "SELECT outbox.advance('laggard', $1)",
+        &[&events.last().unwrap().0],
+    )
+    .unwrap();
+}
+
+/// Waits for the worker to have emptied the log.
+fn wait_pruned(c: &mut Client) {
+    eventually("the worker to prune", Duration::from_secs(30), || {
+        (count(c, "SELECT count(*) FROM outbox.events") == 0).then_some(())
+    });
+}
+
 #[test]
 fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
     let (db, mut c) = setup("sink_prune");
@@ -713,8 +761,7 @@ fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
         .unwrap();
     db.cluster().set("pg_outbox.retention", "0");
     db.cluster().set("pg_outbox.prune_interval", "1s");
-    c.batch_execute("SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series(1, 20) i").unwrap();
-    wait_ledger(&mut c, "books", 20, Duration::from_secs(10));
+    raise_delivered(&mut c, 1, 20);
     // Once the workers have kept the one-second period (the new period) for as long as they
     // wait before truncating anything, and then a few prunes more: the laggard, which has passed
     // only ten of the events, still holds the partition of all twenty.
@@ -727,21 +774,7 @@ fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
         .get(0);
     c.execute("SELECT outbox.advance('laggard', $1)", &[&p])
         .unwrap();
-    eventually(
-        "the period to be recorded and settled",
-        Duration::from_secs(30),
-        || {
-            let settled: Option<bool> = c
-                .query_one(
-                    "SELECT bool_and(period_s = 1 AND since < now() - interval '9 seconds') \
-                       FROM outbox.log_rotation",
-                    &[],
-                )
-                .unwrap()
-                .get(0);
-            settled.unwrap_or(false).then_some(())
-        },
-    );
+    wait_period(&mut c, 1, 9);
     assert_eq!(count(&mut c, "SELECT count(*) FROM outbox.events"), 20);
     assert_eq!(
         read(&mut c, "laggard", 100).len(),
@@ -758,9 +791,7 @@ fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
         .get(0);
     c.execute("SELECT outbox.advance('laggard', $1)", &[&p])
         .unwrap();
-    eventually("the worker to prune", Duration::from_secs(20), || {
-        (count(&mut c, "SELECT count(*) FROM outbox.events") == 0).then_some(())
-    });
+    wait_pruned(&mut c);
     assert_eq!(
         dead_rows(&mut c),
         0,
@@ -771,44 +802,20 @@ fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
         .log()
         .contains("pg_outbox: pruned the log: truncated outbox.events_"));
     // The log goes on after the truncation: new events reach the laggard and the sink.
-    c.batch_execute("SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series(21, 25) i").unwrap();
-    wait_ledger(&mut c, "books", 25, Duration::from_secs(10));
-    let after = read(&mut c, "laggard", 100);
-    assert_eq!(after.len(), 5);
-    c.execute("SELECT outbox.advance('laggard', $1)", &[&after[4].0])
-        .unwrap();
+    raise_delivered(&mut c, 21, 25);
+    pass_all(&mut c, 5);
 
     // With a retention, a partition every reader passed still waits until its newest event is
     // that old. A new period (2 s): nothing is truncated until it has settled.
     db.cluster().set("pg_outbox.retention", "3s");
-    eventually(
-        "the new period to be recorded and settled",
-        Duration::from_secs(40),
-        || {
-            let settled: Option<bool> = c
-                .query_one(
-                    "SELECT bool_and(period_s = 2 AND since < now() - interval '11 seconds') \
-                       FROM outbox.log_rotation",
-                    &[],
-                )
-                .unwrap()
-                .get(0);
-            settled.unwrap_or(false).then_some(())
-        },
-    );
-    c.batch_execute("SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series(26, 30) i").unwrap();
-    wait_ledger(&mut c, "books", 30, Duration::from_secs(10));
-    let fresh = read(&mut c, "laggard", 100);
-    assert_eq!(fresh.len(), 5);
-    c.execute("SELECT outbox.advance('laggard', $1)", &[&fresh[4].0])
-        .unwrap();
+    wait_period(&mut c, 2, 11);
+    raise_delivered(&mut c, 26, 30);
+    pass_all(&mut c, 5);
     let newest: std::time::SystemTime = c
         .query_one("SELECT max(raised_at) FROM outbox.events", &[])
         .unwrap()
         .get(0);
-    eventually("the worker to prune", Duration::from_secs(30), || {
-        (count(&mut c, "SELECT count(*) FROM outbox.events") == 0).then_some(())
-    });
+    wait_pruned(&mut c);
     let kept = std::time::SystemTime::now()
         .duration_since(newest)
         .unwrap_or_default();
@@ -820,20 +827,14 @@ fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
 
     // A transaction older than the cursors (pg_dump's, say) would find a truncated partition
     // empty while it still sees the cursors behind its events: then the workers DELETE instead.
-    c.batch_execute("SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series(31, 35) i").unwrap();
-    wait_ledger(&mut c, "books", 35, Duration::from_secs(10));
+    raise_delivered(&mut c, 31, 35);
     let mut dump = db.connect();
     dump.batch_execute(
         "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM outbox.consumers",
     )
     .unwrap();
-    let last = read(&mut c, "laggard", 100);
-    assert_eq!(last.len(), 5);
-    c.execute("SELECT outbox.advance('laggard', $1)", &[&last[4].0])
-        .unwrap();
-    eventually("the worker to prune", Duration::from_secs(30), || {
-        (count(&mut c, "SELECT count(*) FROM outbox.events") == 0).then_some(())
-    });
+    pass_all(&mut c, 5);
+    wait_pruned(&mut c);
     assert_eq!(
         count(&mut dump, "SELECT count(*) FROM outbox.events"),
         5,
@@ -852,17 +853,11 @@ fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
 
     // A reader that holds the partitions (a lock, no snapshot) longer than the worker waits:
     // the passed events are deleted around it.
-    c.batch_execute("SELECT outbox.raise('load.tick', jsonb_build_object('i', i)) FROM generate_series(36, 40) i").unwrap();
-    wait_ledger(&mut c, "books", 40, Duration::from_secs(10));
+    raise_delivered(&mut c, 36, 40);
     dump.batch_execute("BEGIN; LOCK TABLE outbox.events IN ACCESS SHARE MODE")
         .unwrap();
-    let last = read(&mut c, "laggard", 100);
-    assert_eq!(last.len(), 5);
-    c.execute("SELECT outbox.advance('laggard', $1)", &[&last[4].0])
-        .unwrap();
-    eventually("the worker to prune", Duration::from_secs(30), || {
-        (count(&mut c, "SELECT count(*) FROM outbox.events") == 0).then_some(())
-    });
+    pass_all(&mut c, 5);
+    wait_pruned(&mut c);
     dump.batch_execute("COMMIT").unwrap();
     let log = db.cluster().log();
     let held = log

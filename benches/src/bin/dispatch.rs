@@ -279,6 +279,18 @@ fn stall(cluster: &Cluster, c: &mut Client, hold: u64) -> (Vec<(f64, f64)>, f64,
     )
 }
 
+/// Seconds as SHOW prints a setting in seconds (the largest unit that divides it), so that
+/// `Cluster::set` sees it take effect: 60 is "1min".
+fn as_shown(seconds: u64) -> String {
+    match seconds {
+        0 => "0".to_string(),
+        s if s % 86_400 == 0 => format!("{}d", s / 86_400),
+        s if s % 3_600 == 0 => format!("{}h", s / 3_600),
+        s if s % 60 == 0 => format!("{}min", s / 60),
+        s => format!("{s}s"),
+    }
+}
+
 /// The log's size over a long run with pruning on: 2,000 events/s into a sink for `seconds`,
 /// with a retention of `retention_s` pruned every `retention_s / 2` (and autovacuum looking every
 /// 5 s), sampling outbox.events (its partitions, tables and indexes) every second. Returns the
@@ -289,10 +301,10 @@ fn sizes(
     seconds: u64,
     retention_s: u64,
 ) -> (Vec<(f64, f64)>, i64) {
-    cluster.set("pg_outbox.retention", &format!("{retention_s}s"));
+    cluster.set("pg_outbox.retention", &as_shown(retention_s));
     cluster.set(
         "pg_outbox.prune_interval",
-        &format!("{}s", (retention_s / 2).max(1)),
+        &as_shown((retention_s / 2).max(1)),
     );
     cluster.set("autovacuum_naptime", "5s");
     let sink = "sizes";

@@ -2197,7 +2197,7 @@ fn a_tenant_cannot_lock_the_extensions_relations_against_the_workers() {
     let members: Vec<String> = su
         .query(
             "SELECT c.oid::regclass::text FROM pg_depend d JOIN pg_class c ON c.oid = d.objid
-              WHERE d.classid = 'pg_class'::regclass AND d.deptype = 'e' AND c.relkind IN ('r', 'v')
+              WHERE d.classid = 'pg_class'::regclass AND d.deptype = 'e' AND c.relkind IN ('r', 'p', 'v')
                 AND d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'pg_outbox')",
             &[],
         )

@@ -111,16 +111,39 @@ fn handler_jobs(c: &mut Client, jobs: i64, fan_out: bool) -> f64 {
     .unwrap();
     raise(c, jobs);
     if !fan_out {
-        // Fan out while paused for jobs is not possible; queue the jobs as fan-out would.
-        c.batch_execute(
-            "INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler)
-             SELECT 'work', to_jsonb(r), 'work:' || r.id, r.id, 'work', 'work(outbox.event)'::regprocedure
-               FROM outbox.consumers c, outbox._read_after(c.txid, c.seq, 100000000) r
-              WHERE c.name = 'work';
-             UPDATE outbox.consumers SET (txid, seq) = (SELECT txid, seq FROM outbox.events ORDER BY txid DESC, seq DESC LIMIT 1)
-              WHERE name = 'work';",
-        )
-        .unwrap();
+        // The read rule makes committed events readable only once every transaction that could
+        // still commit before them has ended (a worker's, say): wait until all are.
+        eventually("the events to be readable", Duration::from_secs(60), || {
+            let readable: i64 = c
+                .query_one(
+                    "SELECT count(*) FROM outbox.consumers c, outbox._read_after(c.txid, c.seq, 100000000) r \
+                      WHERE c.name = 'work'",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            (readable >= jobs).then_some(())
+        });
+        // Fan out while paused for jobs is not possible; queue the jobs as fan-out would, and
+        // move the cursor past them.
+        let queued = c
+            .execute(
+                "WITH r AS (
+                     SELECT r AS e FROM outbox.consumers c, outbox._read_after(c.txid, c.seq, 100000000) r
+                      WHERE c.name = 'work'),
+                 moved AS (
+                     UPDATE outbox.consumers
+                        SET (txid, seq) = (SELECT split_part((e).position, ':', 1)::xid8,
+                                                  split_part((e).position, ':', 2)::int8
+                                             FROM r ORDER BY 1 DESC, 2 DESC LIMIT 1)
+                      WHERE name = 'work')
+                 INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler)
+                 SELECT 'work', to_jsonb(e), 'work:' || (e).id, (e).id, 'work', 'work(outbox.event)'::regprocedure
+                   FROM r",
+                &[],
+            )
+            .unwrap() as i64;
+        assert_eq!(queued, jobs, "every raised event queued as a job");
         c.batch_execute("VACUUM ANALYZE outbox.jobs").unwrap();
     }
     c.batch_execute("CHECKPOINT").unwrap();

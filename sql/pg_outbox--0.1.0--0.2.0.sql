@@ -140,7 +140,10 @@ LANGUAGE sql STABLE AS $$
     SELECT w.id, w.position, w.topic, w.subject, w.tenant, w.payload, w.headers, w.raised_at, w.n
       FROM (SELECT r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at,
                    pg_catalog.row_number() OVER upto AS n,
-                   pg_catalog.sum(outbox._event_size(r.payload, r.headers)) OVER upto AS upto
+                   -- Summed as int4 (capped) into an int8: a sum of int8 is a numeric, made and
+                   -- compared for every row.
+                   pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
+                                                         2147483647)::pg_catalog.int4) OVER upto AS upto
               FROM outbox._read_after(after_txid, after_seq, max_events) r
             WINDOW upto AS (ROWS UNBOUNDED PRECEDING)) w
      WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)

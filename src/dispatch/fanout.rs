@@ -124,7 +124,7 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
         client,
         "SELECT s.name, c.txid::text, c.seq, s.topics, s.filter, s.handler::pg_catalog.oid, s.queue, s.max_attempts \
            FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name \
-          WHERE s.name = ANY ($1) AND NOT s.paused",
+          WHERE s.name = ANY ($1) AND NOT s.paused ORDER BY s.name",
         None,
         &[DatumWithOid::from(leased)],
     )
@@ -167,21 +167,26 @@ const WINDOW_SQL: &str = "\
            CASE WHEN $8 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END \
       FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $9) r";
 
-/// Writes one job per (subscription, event) pair of the window: the event as the payload,
-/// `<subscription>:<event id>` as the key. A (subscription, event) whose job still waits is not
-/// queued twice (a rewound cursor, say), while two subscriptions feeding one queue each get their
-/// job. Keys given to `enqueue` live apart (index `jobs_waiting_key`): they cannot hide an event.
+/// Writes one job per (subscription, event) pair the filters matched: the event as the payload,
+/// `<subscription>:<event id>` as the key. Reads only the matched events, by their primary key
+/// (the window was read once, for the filters). A (subscription, event) whose job still waits is
+/// not queued twice (a rewound cursor, say), while two subscriptions feeding one queue each get
+/// their job. Keys given to `enqueue` live apart (index `jobs_waiting_key`): they cannot hide an
+/// event.
 const INSERT_SQL: &str = "\
     INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler, max_attempts) \
-    SELECT m.queue, pg_catalog.to_jsonb(r) OPERATOR(pg_catalog.-) 'n', m.sub || ':' || r.id::text, r.id, m.sub, \
-           m.handler::pg_catalog.regprocedure, m.max_attempts \
-      FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
-           AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
-      JOIN ROWS FROM (pg_catalog.unnest($4::text[]), pg_catalog.unnest($5::text[]), \
-                     pg_catalog.unnest($6::pg_catalog.oid[]), pg_catalog.unnest($7::int4[]), \
-                     pg_catalog.unnest($8::text[])) \
-           AS m(sub, queue, handler, max_attempts, position) ON m.position = r.position \
-     ORDER BY r.n, m.sub \
+    SELECT m.queue, \
+           pg_catalog.to_jsonb(ROW(e.id, m.position, e.topic, e.subject, e.tenant, e.payload, e.headers, \
+                                   e.raised_at)::outbox.event), \
+           m.sub || ':' || e.id::text, e.id, m.sub, m.handler::pg_catalog.regprocedure, m.max_attempts \
+      FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::text[]), \
+                      pg_catalog.unnest($3::pg_catalog.oid[]), pg_catalog.unnest($4::int4[]), \
+                      pg_catalog.unnest($5::text[]), pg_catalog.unnest($6::int8[])) WITH ORDINALITY \
+           AS m(sub, queue, handler, max_attempts, position, seq, n) \
+      JOIN outbox.events e \
+        ON e.txid OPERATOR(pg_catalog.=) pg_catalog.split_part(m.position, ':', 1)::pg_catalog.xid8 \
+       AND e.seq OPERATOR(pg_catalog.=) m.seq \
+     ORDER BY m.n \
     ON CONFLICT (queue, subscription, event) WHERE subscription IS NOT NULL AND state = 'waiting' DO NOTHING";
 
 /// What a filter made of a window.
@@ -276,9 +281,16 @@ fn fan_out(
     )
     .expect("reading a fan-out window");
     let count = rows.len();
-    // The matches, as parallel arrays for INSERT_SQL.
-    let (mut subs, mut queues, mut handlers, mut attempts, mut positions) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // The matches, as parallel arrays for INSERT_SQL, in the order of the window (then of the
+    // group, which is by name).
+    let (mut subs, mut queues, mut handlers, mut attempts, mut positions, mut seqs) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
     let mut last: Option<String> = None;
     for row in rows {
         // Cancel and terminate are answered between events, and within an evaluation through the
@@ -337,6 +349,7 @@ fn fan_out(
                     handlers.push(sub.handler);
                     attempts.push(sub.max_attempts);
                     positions.push(position.clone());
+                    seqs.push(seq_of(&position));
                 }
                 Ok(false) => sub.verdicts.skipped += 1,
                 Err(e) => {
@@ -364,14 +377,12 @@ fn fan_out(
             INSERT_SQL,
             None,
             &[
-                DatumWithOid::from(cursor.txid.to_string()),
-                DatumWithOid::from(cursor.seq),
-                DatumWithOid::from(WINDOW),
                 DatumWithOid::from(subs),
                 DatumWithOid::from(queues),
                 DatumWithOid::from(handlers),
                 DatumWithOid::from(attempts),
                 DatumWithOid::from(positions),
+                DatumWithOid::from(seqs),
             ],
         )
         .expect("writing jobs");
@@ -425,6 +436,14 @@ fn fan_out(
         .expect("counting fan-out");
     // A subscription stopped short has more to read: come back at once.
     Some((matched, stopped || count >= WINDOW as usize))
+}
+
+/// The seq of a position the window read ("txid:seq").
+fn seq_of(position: &str) -> i64 {
+    position
+        .rsplit_once(':')
+        .and_then(|(_, seq)| seq.parse().ok())
+        .expect("positions are well-formed")
 }
 
 /// An event's payload or headers as JSON for filters; an error when the parser refuses it (its

@@ -94,6 +94,25 @@ fn filters_route_exactly_the_matching_events_to_each_subscription() {
                                          OR subscription IS NULL OR handler IS NOT NULL",
     );
     assert_eq!(bad, 0);
+    // The payload is the event exactly as a reader gets it (position and time included), and each
+    // subscription's jobs were queued in the order of the log.
+    let differs = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.jobs j
+           LEFT JOIN outbox._read_after('0', 0, 1000) r ON r.id = j.event
+          WHERE r.id IS NULL OR j.payload <> to_jsonb(r)",
+    );
+    assert_eq!(differs, 0);
+    let out_of_order = count(
+        &mut c,
+        "SELECT count(*) FROM (
+             SELECT j.id, lag(j.id) OVER (PARTITION BY j.subscription ORDER BY r.position_order) AS before
+               FROM outbox.jobs j
+               JOIN (SELECT r.id, row_number() OVER () AS position_order
+                       FROM outbox._read_after('0', 0, 1000) r) r ON r.id = j.event) o
+          WHERE o.id < o.before",
+    );
+    assert_eq!(out_of_order, 0);
     let row = c
         .query_one(
             "SELECT matched, skipped, predicate_errors FROM outbox.status() WHERE name = 'big-acme'",

@@ -576,13 +576,17 @@ DECLARE
 BEGIN
     checked := now();
     notified := 0;
-    -- A job held by a claim without a lease (a row lock) is being worked on: skipped.
+    -- A job held by a claim without a lease (a row lock) is being worked on: skipped. Each queue
+    -- that expires jobs reads only the range of its claim index that is old enough, so this costs
+    -- nothing per round however many jobs wait (it scanned every waiting job of every queue).
     WITH old AS (
         SELECT j.id, x.expire_after
-          FROM outbox.queues x JOIN outbox.jobs j ON j.queue = x.name
-         WHERE x.expire_after IS NOT NULL AND j.state = 'waiting' AND j.attempts = 0
-           AND j.handler IS NULL AND j.run_at <= now() - x.expire_after
-           FOR UPDATE OF j SKIP LOCKED)
+          FROM outbox.queues x
+          JOIN LATERAL (SELECT j.id FROM outbox.jobs j
+                         WHERE j.queue = x.name AND j.state <> 'dead' AND j.run_at <= now() - x.expire_after
+                           AND j.state = 'waiting' AND j.attempts = 0 AND j.handler IS NULL
+                           FOR UPDATE OF j SKIP LOCKED) j ON true
+         WHERE x.expire_after IS NOT NULL)
     UPDATE outbox.jobs j
        SET state = 'dead', dead_at = now(),
            last_error = format('expired: nobody claimed it within %s', old.expire_after)
@@ -610,7 +614,7 @@ BEGIN
     END LOOP;
     -- The next job to come due, and the next to expire (the oldest waiting job of a queue that
     -- expires them; one that was claimed before never expires, and is passed over).
-    SELECT greatest(0, ceil(extract(epoch FROM least(min(n.run_at), min(e.expires)) - clock_timestamp()) * 1000))::bigint
+    SELECT ceil(extract(epoch FROM least(min(n.run_at), min(e.expires)) - clock_timestamp()) * 1000)::bigint
       INTO due_in
       FROM outbox.queues x
       LEFT JOIN LATERAL (SELECT j.run_at FROM outbox.jobs j
@@ -621,6 +625,11 @@ BEGIN
                             AND j.attempts = 0 AND j.handler IS NULL
                           ORDER BY j.run_at LIMIT 1) e ON true
      WHERE NOT EXISTS (SELECT FROM outbox.subscriptions s WHERE s.queue = x.name AND s.handler IS NOT NULL);
+    -- Not greatest(0, ...), which skips a NULL: nothing to come was 0, and the workers looked
+    -- again at once instead of after their longest wait.
+    IF due_in < 0 THEN
+        due_in := 0;
+    END IF;
 END
 $$;
 

@@ -145,6 +145,9 @@ pub struct Slot {
     /// Commits announced more queues than `WorkerTable::announced` holds: the worker notifies
     /// every queue of its database that has jobs to claim (see `announce_at_commit`).
     announce_all: bool,
+    /// A commit queued a job not yet due (a delayed job, a retry's back-off): the time it comes
+    /// due (0: none). The first worker of the database looks for jobs then, if not sooner.
+    look_by: i64,
     started_at: i64,
     last_pass_at: i64,
     passes: u64,
@@ -173,6 +176,7 @@ impl Default for Slot {
             busy: false,
             woken: false,
             announce_all: false,
+            look_by: 0,
             started_at: 0,
             last_pass_at: 0,
             passes: 0,
@@ -975,6 +979,15 @@ pub fn announce_at_commit(queue: &str, due: Option<i64>) {
         pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
             if let Some(mut pending) = ANNOUNCING.with(|a| a.borrow_mut().take()) {
                 let now = now();
+                if let Some(later) = pending
+                    .queues
+                    .iter()
+                    .map(|(_, due)| *due)
+                    .filter(|due| *due > now)
+                    .min()
+                {
+                    look_by(later);
+                }
                 pending.queues.retain(|(_, due)| *due <= now);
                 if pending.all || !pending.queues.is_empty() {
                     publish(&pending);
@@ -1053,6 +1066,31 @@ fn publish(pending: &Announcing) {
             s.announce_all = true;
         }
     }
+}
+
+/// Tells the workers of this database to look for jobs by `due` (a timestamptz), when a job
+/// comes due that nobody could announce at its commit.
+fn look_by(due: i64) {
+    let database = my_database();
+    for s in WORKERS
+        .exclusive()
+        .slots
+        .iter_mut()
+        .filter(|s| s.serving(database))
+    {
+        s.look_by = match s.look_by {
+            0 => due,
+            earlier => earlier.min(due),
+        };
+    }
+}
+
+/// Takes the time by which this worker is to look for jobs coming due (`look_by`), as a duration
+/// from now (zero: it has passed).
+pub(crate) fn take_look_by(slot: usize) -> Option<std::time::Duration> {
+    let mut due = 0;
+    with_slot(slot, |s| due = std::mem::take(&mut s.look_by));
+    (due != 0).then(|| std::time::Duration::from_micros(due.saturating_sub(now()).max(0) as u64))
 }
 
 /// Takes the announcements for this worker's database: the queues named, and whether every

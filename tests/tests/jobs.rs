@@ -770,3 +770,37 @@ fn jobs_nobody_claims_in_time_expire() {
         .get(0);
     assert_eq!(state, "waiting");
 }
+
+/// What a worker's look at the queues tells it: the time to the next job to come due or to
+/// expire, and nothing when none will (then it waits its longest, instead of looking again at
+/// once: `greatest(0, NULL)` is 0, which it was).
+#[test]
+fn the_workers_look_again_when_the_next_job_comes_due_or_expires() {
+    let db = test_db("jobs_due_in");
+    let mut c = db.connect();
+    let due_in = |c: &mut postgres::Client| -> Option<i64> {
+        c.query_one(
+            "SELECT due_in FROM outbox._announce_jobs(NULL, now(), NULL, false)",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    c.batch_execute("SELECT outbox.create_queue('later')")
+        .unwrap();
+    assert_eq!(due_in(&mut c), None, "no queue has a job to come");
+    c.batch_execute("SELECT outbox.enqueue('later', run_at => now() + interval '30 seconds')")
+        .unwrap();
+    let ms = due_in(&mut c).expect("a job comes due");
+    assert!((25_000..=30_000).contains(&ms), "{ms}");
+    // A job due now is no job to come; one that will expire is.
+    c.batch_execute(
+        "SELECT outbox.create_queue('expiring', expire_after => '20 seconds');
+         SELECT outbox.enqueue('expiring');",
+    )
+    .unwrap();
+    let ms = due_in(&mut c).expect("a job expires");
+    assert!((15_000..=20_000).contains(&ms), "{ms}");
+    c.batch_execute("DELETE FROM outbox.jobs").unwrap();
+    assert_eq!(due_in(&mut c), None, "every job gone");
+}

@@ -39,6 +39,107 @@ pub struct Filter {
     source: String,
     /// Which of VARIABLES the filter reads, in that order.
     uses: [bool; 6],
+    /// The fields of payload and of headers it selects by name, when that is all it reads of
+    /// them (None: it needs the whole value).
+    payload_fields: Option<Vec<String>>,
+    headers_fields: Option<Vec<String>>,
+}
+
+/// What a set of filters reads of an event: the variables, and of payload and headers the
+/// top-level fields they select by name (None: the whole value). An event's context holds
+/// only that (`EventContext::for_needs`): converting a whole payload per event was most of the
+/// cost of a filter that reads one field of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Needs {
+    uses: [bool; 6],
+    payload_fields: Option<Vec<String>>,
+    headers_fields: Option<Vec<String>>,
+}
+
+impl Needs {
+    /// What `filters` read together.
+    pub fn of<'f>(filters: impl IntoIterator<Item = &'f Filter>) -> Needs {
+        let mut needs = Needs {
+            uses: [false; 6],
+            payload_fields: Some(Vec::new()),
+            headers_fields: Some(Vec::new()),
+        };
+        for f in filters {
+            for (need, uses) in needs.uses.iter_mut().zip(f.uses) {
+                *need |= uses;
+            }
+            union(&mut needs.payload_fields, &f.payload_fields);
+            union(&mut needs.headers_fields, &f.headers_fields);
+        }
+        needs
+    }
+}
+
+fn union(into: &mut Option<Vec<String>>, fields: &Option<Vec<String>>) {
+    match (into.as_mut(), fields) {
+        (Some(into_fields), Some(fields)) => {
+            into_fields.extend(fields.iter().cloned());
+            into_fields.sort_unstable();
+            into_fields.dedup();
+        }
+        _ => *into = None,
+    }
+}
+
+/// The fields of `variable` that `root` selects by name (`payload.amount`, `has(payload.vip)`),
+/// or None when it uses the variable otherwise (whole, indexed, in `in`, as a macro's range)
+/// or a macro binds a variable of that name.
+fn selected_fields(
+    root: &cel::parser::Expression,
+    variable: &str,
+    bound: &[String],
+) -> Option<Vec<String>> {
+    use cel::common::ast::{EntryExpr, Expr};
+    if bound.iter().any(|b| b == variable) {
+        return None;
+    }
+    let mut fields = Vec::new();
+    let mut stack = vec![root];
+    while let Some(e) = stack.pop() {
+        match &e.expr {
+            Expr::Select(select) => match &select.operand.expr {
+                Expr::Ident(name) if name == variable => fields.push(select.field.clone()),
+                _ => stack.push(&select.operand),
+            },
+            Expr::Ident(name) if name == variable => return None,
+            Expr::Call(call) => {
+                stack.extend(call.target.as_deref());
+                stack.extend(call.args.iter());
+            }
+            Expr::Comprehension(c) => stack.extend([
+                &c.iter_range,
+                &c.accu_init,
+                &c.loop_cond,
+                &c.loop_step,
+                &c.result,
+            ]),
+            Expr::List(list) => stack.extend(list.elements.iter()),
+            Expr::Map(map) => {
+                for entry in &map.entries {
+                    if let EntryExpr::MapEntry(m) = &entry.expr {
+                        stack.push(&m.key);
+                        stack.push(&m.value);
+                    }
+                }
+            }
+            Expr::Struct(st) => {
+                for entry in &st.entries {
+                    if let EntryExpr::StructField(f) = &entry.expr {
+                        stack.push(&f.value);
+                    }
+                }
+            }
+            Expr::Unspecified | Expr::Ident(_) | Expr::Literal(_) => {}
+        }
+    }
+    fields.sort_unstable();
+    fields.dedup();
+    Some(fields)
 }
 
 impl std::fmt::Debug for Filter {
@@ -347,6 +448,8 @@ impl Filter {
         }
         let variables = references.variables();
         let uses = VARIABLES.map(|v| variables.contains(&v));
+        let payload_fields = selected_fields(program.expression(), "payload", &bound);
+        let headers_fields = selected_fields(program.expression(), "headers", &bound);
         let guarded = crate::budget::instrument(program.expression());
         // The hooks deepen the tree the interpreter recurses over; within this, what passed the
         // check above stays within a backend's stack (tested in a 2 MB thread).
@@ -360,6 +463,8 @@ impl Filter {
             guarded,
             source: source.to_string(),
             uses,
+            payload_fields,
+            headers_fields,
         })
     }
 
@@ -438,40 +543,92 @@ fn json_weight(v: &serde_json::Value, values: &mut usize, bytes: &mut usize) {
 impl EventContext<'_> {
     /// An event whose payload or headers could not be read (`why`): filters that read either
     /// fail on it with that reason, the others run.
-    pub fn unreadable(event: &EventFields<'_>, why: String) -> EventContext<'static> {
-        let mut context = EventContext::new(event);
+    pub fn unreadable(
+        event: &EventFields<'_>,
+        needs: &Needs,
+        why: String,
+    ) -> EventContext<'static> {
+        let mut context = EventContext::for_needs(event, needs);
         context.1 = Some(why);
         context
     }
 
+    /// The whole event, for any filter.
     pub fn new(event: &EventFields<'_>) -> EventContext<'static> {
+        EventContext::for_needs(
+            event,
+            &Needs {
+                uses: [true; 6],
+                payload_fields: None,
+                headers_fields: None,
+            },
+        )
+    }
+
+    /// What filters that read `needs` see of the event; they cannot tell it from the whole.
+    pub fn for_needs(event: &EventFields<'_>, needs: &Needs) -> EventContext<'static> {
         // Env::stdlib() is built once per thread: Context::default() would build it per event,
         // which cost 18 µs of the 19 an event took.
         let mut context = Context::with_env(ENV.with(Arc::clone));
         let text =
             |s: Option<&str>| s.map_or(Value::Null, |s| Value::String(Arc::new(s.to_string())));
-        context.add_variable_from_value("topic", text(Some(event.topic)));
-        context.add_variable_from_value("subject", text(event.subject));
-        context.add_variable_from_value("tenant", text(event.tenant));
-        let (mut values, mut bytes) = (0, 0);
-        json_weight(event.payload, &mut values, &mut bytes);
-        json_weight(event.headers, &mut values, &mut bytes);
-        let too_large = (values > EVENT_VALUES_MAX || bytes > EVENT_TEXT_MAX).then(|| {
-            format!(
-                "the event is too large for filters (more than {EVENT_VALUES_MAX} JSON values or {} MB of text in payload and headers)",
-                EVENT_TEXT_MAX >> 20
-            )
-        });
-        if too_large.is_none() {
-            context.add_variable_from_value("payload", json_to_cel(event.payload));
-            context.add_variable_from_value("headers", json_to_cel(event.headers));
+        let [topic, subject, tenant, payload, headers, raised_at] = needs.uses;
+        if topic {
+            context.add_variable_from_value("topic", text(Some(event.topic)));
         }
-        context.add_variable_from_value("raised_at", text(Some(event.raised_at)));
+        if subject {
+            context.add_variable_from_value("subject", text(event.subject));
+        }
+        if tenant {
+            context.add_variable_from_value("tenant", text(event.tenant));
+        }
+        // The limits hold for the whole event, whatever part of it a filter reads.
+        let too_large = (payload || headers)
+            .then(|| {
+                let (mut values, mut bytes) = (0, 0);
+                json_weight(event.payload, &mut values, &mut bytes);
+                json_weight(event.headers, &mut values, &mut bytes);
+                (values > EVENT_VALUES_MAX || bytes > EVENT_TEXT_MAX).then(|| {
+                    format!(
+                        "the event is too large for filters (more than {EVENT_VALUES_MAX} JSON values or {} MB of text in payload and headers)",
+                        EVENT_TEXT_MAX >> 20
+                    )
+                })
+            })
+            .flatten();
+        if too_large.is_none() {
+            if payload {
+                let value = json_fields_to_cel(event.payload, needs.payload_fields.as_deref());
+                context.add_variable_from_value("payload", value);
+            }
+            if headers {
+                let value = json_fields_to_cel(event.headers, needs.headers_fields.as_deref());
+                context.add_variable_from_value("headers", value);
+            }
+        }
+        if raised_at {
+            context.add_variable_from_value("raised_at", text(Some(event.raised_at)));
+        }
         EventContext(context, too_large)
     }
 }
 
 /// A JSON value as CEL sees it: integral numbers as `int`, others as `double`.
+/// `v` for CEL, with only `fields` when it is an object and they are given: a filter that only
+/// selects those by name sees the same (a field it selects that `v` lacks is absent either way).
+fn json_fields_to_cel(v: &serde_json::Value, fields: Option<&[String]>) -> Value {
+    match (v, fields) {
+        (serde_json::Value::Object(o), Some(fields)) => {
+            let map: HashMap<Key, Value> = fields
+                .iter()
+                .filter_map(|k| Some((Key::String(Arc::new(k.clone())), json_to_cel(o.get(k)?))))
+                .collect();
+            Value::Map(Map::from(map))
+        }
+        _ => json_to_cel(v),
+    }
+}
+
 pub fn json_to_cel(v: &serde_json::Value) -> Value {
     use serde_json::Value as J;
     match v {
@@ -518,6 +675,102 @@ mod tests {
         Filter::compile(source)
             .unwrap()
             .matches(&event(&payload, tenant))
+    }
+
+    #[test]
+    fn needs_are_the_fields_selected_by_name_or_the_whole_value() {
+        let needs = |sources: &[&str]| {
+            let filters: Vec<Filter> = sources
+                .iter()
+                .map(|s| Filter::compile(s).unwrap())
+                .collect();
+            let n = Needs::of(filters.iter());
+            (n.uses, n.payload_fields, n.headers_fields)
+        };
+        let fields = |f: &[&str]| Some(f.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        let (uses, payload, headers) = needs(&[
+            "payload.amount > 1 && tenant == 'a'",
+            "has(payload.vip) && payload.amount < 9",
+        ]);
+        assert_eq!(uses, [false, false, true, true, false, false]);
+        assert_eq!(payload, fields(&["amount", "vip"]));
+        assert_eq!(headers, fields(&[]));
+        assert_eq!(needs(&["payload.a.b == 1"]).1, fields(&["a"]));
+        // Used otherwise: the whole value.
+        for whole in [
+            "'a' in payload",
+            "payload == {}",
+            "payload['amount'] > 1",
+            "size(payload) > 1",
+            "payload.items.exists(payload, payload > 1)",
+        ] {
+            assert_eq!(needs(&[whole]).1, None, "{whole}");
+            assert_eq!(
+                needs(&["payload.x == 1", whole]).1,
+                None,
+                "{whole} with another"
+            );
+        }
+        assert_eq!(needs(&["headers.trace == 'x'"]).2, fields(&["trace"]));
+        assert_eq!(
+            needs(&["topic == 'x'"]).0,
+            [true, false, false, false, false, false]
+        );
+    }
+
+    /// A context with only what the filters need gives every filter the same verdict, and the
+    /// same error, as the whole event.
+    #[test]
+    fn a_context_of_the_needs_gives_what_the_whole_event_gives() {
+        let sources = [
+            "payload.amount > 10 && tenant == 'acme'",
+            "has(payload.vip)",
+            "has(payload.vip) && payload.vip",
+            "payload.missing == 1",
+            "payload.nested.k == 'v'",
+            "has(payload.nested.k)",
+            "payload.items.exists(i, i > 2)",
+            "'amount' in payload",
+            "payload.amount + 1 == 12",
+            "headers.trace == 'abc' && subject == 'order/42'",
+            "topic.startsWith('order.') && raised_at > '2026'",
+            "size(payload) == 3",
+        ];
+        let payloads = [
+            json!({"amount": 11, "vip": true, "nested": {"k": "v"}, "items": [1, 2, 3]}),
+            json!({"amount": 5, "items": []}),
+            json!({"vip": false, "nested": 1}),
+            json!([1, 2, 3]),
+            json!("text"),
+            json!(null),
+            json!({}),
+        ];
+        let filters: Vec<Filter> = sources
+            .iter()
+            .map(|s| Filter::compile(s).unwrap())
+            .collect();
+        // Each filter alone, and all together (the union of their needs).
+        let mut groups: Vec<Vec<&Filter>> = filters.iter().map(|f| vec![f]).collect();
+        groups.push(filters.iter().collect());
+        groups.push(filters[..3].iter().collect());
+        for payload in &payloads {
+            for tenant in [Some("acme"), None] {
+                let e = event(payload, tenant);
+                let whole = EventContext::new(&e);
+                for group in &groups {
+                    let needs = Needs::of(group.iter().copied());
+                    let part = EventContext::for_needs(&e, &needs);
+                    for f in group {
+                        assert_eq!(
+                            f.matches_in(&part),
+                            f.matches_in(&whole),
+                            "{} on {payload} with {needs:?}",
+                            f.source()
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// Runs in a test thread (2 MB of stack, less than a backend's 8 MB): what passes here

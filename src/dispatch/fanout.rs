@@ -10,7 +10,7 @@ use super::PassResult;
 use crate::cursor;
 use crate::plans;
 use crate::transaction::refresh_snapshot;
-use pg_outbox_core::filter::{EventContext, EventFields, Filter};
+use pg_outbox_core::filter::{EventContext, EventFields, Filter, Needs};
 use pg_outbox_core::pattern::Pattern;
 use pg_outbox_core::Position;
 use pgrx::datum::DatumWithOid;
@@ -256,6 +256,8 @@ fn fan_out(
         .filter_map(|s| s.filter.as_ref().and_then(|f| f.as_ref().ok()))
         .collect();
     let uses = |v: &str| filters.iter().any(|f| f.uses(v));
+    // What every filter of the group reads, converted once per event for all of them.
+    let event_needs = Needs::of(filters.iter().map(|f| f.as_ref()));
     let needs = [
         uses("subject"),
         uses("tenant"),
@@ -325,8 +327,10 @@ fn fan_out(
                         };
                         match unreadable {
                             // Never handed over as null: a filter that reads it fails instead.
-                            Some(why) => EventContext::unreadable(&fields, why.clone()),
-                            None => EventContext::new(&fields),
+                            Some(why) => {
+                                EventContext::unreadable(&fields, &event_needs, why.clone())
+                            }
+                            None => EventContext::for_needs(&fields, &event_needs),
                         }
                     });
                     let started = std::time::Instant::now();

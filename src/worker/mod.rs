@@ -145,9 +145,12 @@ pub struct Slot {
     /// Commits announced more queues than `WorkerTable::announced` holds: the worker notifies
     /// every queue of its database that has jobs to claim (see `announce_at_commit`).
     announce_all: bool,
-    /// A commit queued a job not yet due (a delayed job, a retry's back-off): the time it comes
-    /// due (0: none). The first worker of the database looks for jobs then, if not sooner.
+    /// A job comes due or expires by then (a timestamptz; 0: none): a commit queued one not yet
+    /// due (a delayed job, a retry's back-off), or another worker learnt of one. The first worker
+    /// of the database looks for jobs then, if not sooner.
     look_by: i64,
+    /// When the worker looks for jobs next (0: it does not, or not known).
+    looks_at: i64,
     started_at: i64,
     last_pass_at: i64,
     passes: u64,
@@ -177,6 +180,7 @@ impl Default for Slot {
             woken: false,
             announce_all: false,
             look_by: 0,
+            looks_at: 0,
             started_at: 0,
             last_pass_at: 0,
             passes: 0,
@@ -942,6 +946,8 @@ fn register_wake() {
 struct Announcing {
     queues: Vec<(String, i64)>,
     all: bool,
+    /// The latest due time of any job announced (a queue keeps only its earliest).
+    latest: i64,
 }
 
 thread_local! {
@@ -965,6 +971,7 @@ pub fn announce_at_commit(queue: &str, due: Option<i64>) {
         let mut a = a.borrow_mut();
         let first = a.is_none();
         let pending = a.get_or_insert_with(Announcing::default);
+        pending.latest = pending.latest.max(due);
         match pending.queues.iter().position(|(q, _)| q == queue) {
             Some(i) => pending.queues[i].1 = pending.queues[i].1.min(due),
             None if pending.all => {}
@@ -979,14 +986,18 @@ pub fn announce_at_commit(queue: &str, due: Option<i64>) {
         pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
             if let Some(mut pending) = ANNOUNCING.with(|a| a.borrow_mut().take()) {
                 let now = now();
-                if let Some(later) = pending
-                    .queues
-                    .iter()
-                    .map(|(_, due)| *due)
-                    .filter(|due| *due > now)
-                    .min()
-                {
-                    look_by(later);
+                if pending.latest > now {
+                    // A job comes due later: the first worker looks then. When which is not
+                    // known here (its queue also got a job due now, or too many queues), it looks
+                    // now, and its look learns from the table when the next one comes due.
+                    let known = pending
+                        .queues
+                        .iter()
+                        .map(|(_, due)| *due)
+                        .filter(|due| *due > now)
+                        .min();
+                    let unknown = pending.all || pending.queues.iter().any(|(_, due)| *due <= now);
+                    look_by(if unknown { now } else { known.unwrap_or(now) });
                 }
                 pending.queues.retain(|(_, due)| *due <= now);
                 if pending.all || !pending.queues.is_empty() {
@@ -1068,29 +1079,52 @@ fn publish(pending: &Announcing) {
     }
 }
 
-/// Tells the workers of this database to look for jobs by `due` (a timestamptz), when a job
-/// comes due that nobody could announce at its commit.
-fn look_by(due: i64) {
+/// Tells the first worker of this database to look for jobs by `due` (a timestamptz): a job
+/// comes due or expires then that nobody will announce otherwise. Wakes it when that is sooner
+/// than it would look. Safe in a commit callback: no allocation, no ERROR.
+pub(crate) fn look_by(due: i64) {
+    if !preloaded() {
+        return;
+    }
     let database = my_database();
-    for s in WORKERS
-        .exclusive()
-        .slots
-        .iter_mut()
-        .filter(|s| s.serving(database))
-    {
-        s.look_by = match s.look_by {
-            0 => due,
-            earlier => earlier.min(due),
-        };
+    let mut table = WORKERS.exclusive();
+    let Some(first) = table.slots.iter_mut().find(|s| s.serving(database)) else {
+        return;
+    };
+    if first.look_by != 0 && first.look_by <= due {
+        return;
+    }
+    first.look_by = due;
+    if first.looks_at == 0 || due < first.looks_at {
+        set_latch(first);
     }
 }
 
-/// Takes the time by which this worker is to look for jobs coming due (`look_by`), as a duration
-/// from now (zero: it has passed).
+/// Takes the time by which this worker is to look for jobs (`look_by`), as a duration from now
+/// (zero: it has passed).
 pub(crate) fn take_look_by(slot: usize) -> Option<std::time::Duration> {
+    if WORKERS
+        .share()
+        .slots
+        .get(slot)
+        .is_none_or(|s| s.look_by == 0)
+    {
+        return None;
+    }
     let mut due = 0;
     with_slot(slot, |s| due = std::mem::take(&mut s.look_by));
     (due != 0).then(|| std::time::Duration::from_micros(due.saturating_sub(now()).max(0) as u64))
+}
+
+/// Records when this worker looks for jobs next, so that `look_by` wakes it only for sooner.
+pub(crate) fn set_looks_at(slot: usize, after: std::time::Duration) {
+    let at = now().saturating_add(after.as_micros().min(i64::MAX as u128) as i64);
+    with_slot(slot, |s| s.looks_at = at);
+}
+
+/// Now plus `after`, as a timestamptz.
+pub(crate) fn timestamp_after(after: std::time::Duration) -> i64 {
+    now().saturating_add(after.as_micros().min(i64::MAX as u128) as i64)
 }
 
 /// Takes the announcements for this worker's database: the queues named, and whether every

@@ -84,9 +84,6 @@ struct Worker {
     jobs_since: Option<TimestampWithTimeZone>,
     /// ... when it looks next, when it last looked for lapsed leases, and when it looks next.
     jobs_check_at: Instant,
-    /// Another worker that announced jobs learnt when the next one comes due or expires: it looks
-    /// then, once (expiring them), should the first worker not know yet (it learns at its next look).
-    jobs_hint_at: Option<Instant>,
     /// When it last said that the notification queue was too full to notify.
     notify_full_warned: Option<Instant>,
     leases_since: Option<TimestampWithTimeZone>,
@@ -180,7 +177,6 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         stop: false,
         jobs_since: None,
         jobs_check_at: Instant::now(),
-        jobs_hint_at: None,
         notify_full_warned: None,
         leases_since: None,
         jobs_leases_at: Instant::now(),
@@ -485,16 +481,12 @@ impl Worker {
         let first = super::first_of_database(self.slot);
         let now = Instant::now();
         if let Some(due) = super::take_look_by(self.slot).filter(|_| first) {
-            // A job committed since that comes due later: look then (JOBS_LOOK_MIN after, so
-            // that its notification is not sent before it is due).
+            // A job comes due or expires later: look then (JOBS_LOOK_MIN after, so that its
+            // notification is not sent before it is due).
             self.jobs_check_at = self.jobs_check_at.min(now + due + JOBS_LOOK_MIN);
         }
         let look = first && now >= self.jobs_check_at;
-        let hinted = !first && self.jobs_hint_at.is_some_and(|at| now >= at);
-        if hinted {
-            self.jobs_hint_at = None;
-        }
-        if queues.is_empty() && !all && !look && !hinted {
+        if queues.is_empty() && !all && !look {
             return self.next_jobs_look(first, now);
         }
         let leases = look && now >= self.jobs_leases_at;
@@ -520,6 +512,8 @@ impl Worker {
             )
         });
         match looked {
+            // DDL holds the tables: look again soon, not at once.
+            Ok(Ok((None, _, _))) if look => self.jobs_check_at = now + JOBS_LOOK_MIN,
             Ok(Ok((None, _, _))) => {}
             Ok(Ok((checked, due_in, notified))) => {
                 if notified == Some(-1)
@@ -536,35 +530,44 @@ impl Worker {
                 // At least JOBS_LOOK_MIN: a job that expired but is held by a claim without a
                 // lease stays due until that transaction ends.
                 let due_in = due_in.map_or(JOBS_LOOK, |ms| Duration::from_millis(ms as u64));
-                let next = now + due_in.clamp(JOBS_LOOK_MIN, JOBS_LOOK);
+                let due_in = due_in.clamp(JOBS_LOOK_MIN, JOBS_LOOK);
+                let next = now + due_in;
                 if look {
                     self.jobs_since = checked;
-                    self.jobs_check_at = next;
                     if leases || every {
                         self.leases_since = checked;
                         self.jobs_leases_at = now + JOBS_LOOK;
                     }
+                    // Leases that lapse are looked for every JOBS_LOOK, whatever comes due.
+                    self.jobs_check_at = next.min(self.jobs_leases_at);
                 } else if first {
                     // Announced jobs may come due or expire before the next look.
                     self.jobs_check_at = self.jobs_check_at.min(next);
                 } else if due_in < JOBS_LOOK {
-                    self.jobs_hint_at = Some(self.jobs_hint_at.map_or(next, |at| at.min(next)));
+                    // The first worker looks: it may not know of these before its next look.
+                    super::look_by(super::timestamp_after(due_in));
                 }
             }
-            Ok(Err(e)) => self.failed(&format!("announcing jobs: {e}")),
-            Err(e) => self.failed(&format!("announcing jobs: {e}")),
+            Ok(Err(e)) => self.look_failed(look, now, &e.to_string()),
+            Err(e) => self.look_failed(look, now, &e.to_string()),
         }
         self.next_jobs_look(first, Instant::now())
     }
 
-    /// How long until this worker looks at the jobs again (None: it does not).
-    fn next_jobs_look(&self, first: bool, now: Instant) -> Option<Duration> {
-        match first {
-            true => Some(self.jobs_check_at.saturating_duration_since(now)),
-            false => self
-                .jobs_hint_at
-                .map(|at| at.saturating_duration_since(now)),
+    fn look_failed(&mut self, look: bool, now: Instant, error: &str) {
+        if look {
+            // Not at once again: a look that fails would spin, warning each time.
+            self.jobs_check_at = now + JOBS_LOOK;
         }
+        self.failed(&format!("announcing jobs: {error}"));
+    }
+
+    /// How long until this worker looks at the jobs again (None: it does not), as it also tells
+    /// the others (`look_by` wakes it only for sooner).
+    fn next_jobs_look(&self, first: bool, now: Instant) -> Option<Duration> {
+        let next = first.then(|| self.jobs_check_at.saturating_duration_since(now));
+        super::set_looks_at(self.slot, next.unwrap_or(Duration::ZERO));
+        next
     }
 
     /// Fan-out for every active subscription, then the due jobs of those with a handler. Returns

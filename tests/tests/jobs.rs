@@ -804,3 +804,35 @@ fn the_workers_look_again_when_the_next_job_comes_due_or_expires() {
     c.batch_execute("DELETE FROM outbox.jobs").unwrap();
     assert_eq!(due_in(&mut c), None, "every job gone");
 }
+
+/// A delayed job committed beside one due now, in its queue: the one due now is announced at the
+/// commit, the delayed one when it comes due (the first worker is told to look then), not at the
+/// workers' next periodic look, up to 10 s later.
+#[test]
+fn a_delayed_job_is_announced_when_it_comes_due_even_beside_one_due_now() {
+    let db = pg_outbox_tests::worker_db("jobs_due_beside");
+    let mut listener = db.connect();
+    listener.batch_execute("LISTEN outbox_jobs").unwrap();
+    let mut app = db.connect();
+    app.batch_execute("SELECT outbox.create_queue('q')")
+        .unwrap();
+    // The workers' first look (every queue) is behind us.
+    std::thread::sleep(Duration::from_millis(1500));
+    notified(&mut listener, Duration::from_millis(100));
+    for round in 0..2 {
+        let mut tx = app.transaction().unwrap();
+        tx.batch_execute(
+            "SELECT outbox.enqueue('q');
+             SELECT outbox.enqueue('q', run_at => now() + interval '2 seconds');",
+        )
+        .unwrap();
+        tx.commit().unwrap();
+        let at_commit = first_notice(&mut listener, "q", Duration::from_secs(2));
+        assert!(at_commit < Duration::from_secs(1), "{at_commit:?}");
+        let delayed = first_notice(&mut listener, "q", Duration::from_secs(6));
+        assert!(
+            (Duration::from_millis(900)..Duration::from_millis(3500)).contains(&delayed),
+            "round {round}: the delayed job was announced {delayed:?} after the one due at once"
+        );
+    }
+}

@@ -49,8 +49,9 @@ fn prune_bound(wait: bool) -> Option<Position> {
 }
 
 /// Deletes prunable events raised before `cutoff_sql` (an SQL expression over $4), in batches of
-/// `batch_size`. Runs as the owner.
-fn prune_events(retention: DatumWithOid<'_>, cutoff_sql: &str, batch_size: i32, wait: bool) -> i64 {
+/// `batch_size`. Runs as the owner; waits for the cursor lock (an operator's call, which they can
+/// cancel).
+fn prune_events(retention: DatumWithOid<'_>, cutoff_sql: &str, batch_size: i32) -> i64 {
     // SAFETY: reads a backend global.
     if unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32 {
         Error::Isolation("outbox.prune()").report();
@@ -68,7 +69,7 @@ fn prune_events(retention: DatumWithOid<'_>, cutoff_sql: &str, batch_size: i32, 
          SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM gone)"
     );
     as_owner(|| {
-        let Some(bound) = prune_bound(wait) else {
+        let Some(bound) = prune_bound(true) else {
             return 0;
         };
         let mut total = 0i64;
@@ -126,12 +127,7 @@ fn prune(
         ))
         .report();
     }
-    prune_events(
-        DatumWithOid::from(retention),
-        "now() - $4",
-        batch_size,
-        true,
-    )
+    prune_events(DatumWithOid::from(retention), "now() - $4", batch_size)
 }
 
 /// The partitions of the log that have aged past `pg_outbox.retention` by the clock (see

@@ -865,6 +865,48 @@ fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
         .filter(|l| l.contains("instead of truncating it (a reader held it)"))
         .count();
     assert!(held >= 1, "the worker says a reader held the partition");
+
+    // A role with nothing but CONNECT that keeps a snapshot open can make the workers DELETE,
+    // never stop them pruning; once it ends, whole partitions are truncated again.
+    let older = |log: &str| {
+        log.lines()
+            .filter(|l| {
+                l.contains("pg_outbox: pruned the log: deleted 5 events of outbox.events_")
+                    && l.contains("(a transaction older than the cursors was running)")
+            })
+            .count()
+    };
+    let before = older(&db.cluster().log());
+    let mut su = db.connect();
+    su.batch_execute(&format!(
+        "DO $$ BEGIN CREATE ROLE prune_idler LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+         GRANT CONNECT ON DATABASE \"{}\" TO prune_idler;",
+        db.name
+    ))
+    .unwrap();
+    let mut idler = db.connect_as("prune_idler");
+    idler
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+        .unwrap();
+    raise_delivered(&mut c, 41, 45);
+    pass_all(&mut c, 5);
+    wait_pruned(&mut c);
+    assert_eq!(
+        older(&db.cluster().log()),
+        before + 1,
+        "the worker deleted the passed events around the idle session"
+    );
+    idler.batch_execute("COMMIT").unwrap();
+    let truncated = |log: &str| log.matches("pg_outbox: pruned the log: truncated").count();
+    let before = truncated(&db.cluster().log());
+    raise_delivered(&mut c, 46, 50);
+    pass_all(&mut c, 5);
+    wait_pruned(&mut c);
+    eventually(
+        "a partition truncated again",
+        Duration::from_secs(30),
+        || (truncated(&db.cluster().log()) > before).then_some(()),
+    );
     db.cluster().set("pg_outbox.retention", "7d");
     db.cluster().set("pg_outbox.prune_interval", "1h");
 }

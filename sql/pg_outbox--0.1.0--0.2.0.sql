@@ -1213,6 +1213,13 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
      ORDER BY j.queue
 $$;
 
+-- The worker asks it every round: now Rust with a kept plan (src/schedule.rs); a SQL function
+-- with a SET clause was parsed and planned again at every call.
+CREATE OR REPLACE FUNCTION outbox."_schedule_due_in"() RETURNS bigint
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'schedule_due_in_wrapper';
+
 -- The calls, now SECURITY INVOKER in src/queue.rs. OR REPLACE keeps their grants.
 CREATE OR REPLACE FUNCTION outbox."enqueue"(
 	"queue" TEXT,

@@ -190,8 +190,14 @@ fn adopt(raising: bool) -> u64 {
     epoch as u64
 }
 
-/// For the workers, each round in a transaction of its own: adopts a restored log as soon as
-/// its dumped row is in, so that no application transaction has to (and wait for another).
+/// Whether the log was restored and is not adopted yet (the workers ask every round, in the
+/// round's first transaction, and adopt in one of its own when it is).
+pub fn restored() -> bool {
+    as_owner(|| steady(&rows()).is_none())
+}
+
+/// For the workers, in a transaction of its own: adopts a restored log as soon as its dumped row
+/// is in, so that no application transaction has to (and wait for another).
 pub fn adopt_if_restored() {
     as_owner(|| {
         if steady(&rows()).is_none() {

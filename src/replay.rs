@@ -19,7 +19,9 @@ pub fn deliver_requested(
     sink: &str,
     deliver: impl FnOnce(&mut SpiClient<'_>, pg_sys::Datum) -> Result<(), Failure>,
 ) -> Result<Option<PassResult>, pgrx::spi::Error> {
-    let table = client.select(
+    // Every pass asks: a kept plan.
+    let table = crate::plans::select(
+        client,
         // d.txid: a bare txid in ORDER BY would be the text output column (see prune_bound).
         "SELECT d.txid::text, d.seq, ARRAY[d.event] FROM outbox.dead_letters d \
           WHERE d.sink = $1 AND d.replay_requested_at IS NOT NULL ORDER BY d.txid, d.seq LIMIT 1",

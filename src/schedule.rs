@@ -366,9 +366,24 @@ fn schedule_status() -> TableIterator<
     TableIterator::new(rows)
 }
 
-/// Milliseconds until the earliest run (0: one is due), None without schedules. In the worker.
+/// Milliseconds until the earliest run: 0 when one is due, None when there is no schedule. Read
+/// from the clock, not now(), so a worker sleeping this long wakes when the run is due; the next
+/// `fire_due` then has to be in a new transaction (its now() is that transaction's start). The
+/// worker asks every round: a kept plan, not a SQL function (one with a SET clause is parsed and
+/// planned again at every call, a tenth of a delivering worker's time).
 pub fn due_in() -> Option<i64> {
-    crate::query::one::<i64>("SELECT outbox._schedule_due_in()", &[])
+    crate::query::one::<i64>(
+        "SELECT greatest(0, pg_catalog.ceil(extract(epoch FROM s.next_run OPERATOR(pg_catalog.-) \
+                pg_catalog.clock_timestamp()) * 1000))::pg_catalog.int8 \
+           FROM outbox.schedules s ORDER BY s.next_run LIMIT 1",
+        &[],
+    )
+}
+
+/// `outbox._schedule_due_in()`: `due_in`, for the tests. Not for PUBLIC.
+#[pg_extern(volatile, parallel_unsafe, name = "_schedule_due_in")]
+fn schedule_due_in() -> Option<i64> {
+    due_in()
 }
 
 /// Fires every due schedule but each schedules, in one statement (see `outbox._fire_schedules`).

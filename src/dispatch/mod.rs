@@ -125,6 +125,33 @@ pub enum Members {
 /// never deadlocks with it: a step may then touch any relation of the extension (the read rule
 /// reads `outbox.lineage`, say) without waiting on a lock DDL holds, as it holds every one.
 pub fn lock_members() -> Members {
+    // SAFETY: reads this backend's PGPROC and transaction state.
+    let (lxid, top) = unsafe {
+        (
+            (*pg_sys::MyProc).lxid,
+            pg_sys::GetCurrentTransactionNestLevel() == 1,
+        )
+    };
+    // Held by this transaction at its top level already: a step asks again and again (a
+    // worker's round did 25 catalog lookups and lock calls three times over). Locks taken at the
+    // top level stay until the transaction ends; those taken in a subtransaction could go with
+    // its rollback, so only the top level's are remembered.
+    if HELD_IN.with(|h| h.get()) == Some(lxid) {
+        return Members::Held;
+    }
+    let members = lock_members_now();
+    if members == Members::Held && top {
+        HELD_IN.with(|h| h.set(Some(lxid)));
+    }
+    members
+}
+
+thread_local! {
+    /// The local transaction (`PGPROC.lxid`) that holds every member, locked at its top level.
+    static HELD_IN: std::cell::Cell<Option<pg_sys::LocalTransactionId>> = const { std::cell::Cell::new(None) };
+}
+
+fn lock_members_now() -> Members {
     // SAFETY: catalog lookups and lock-manager calls in a transaction; a lock that cannot be had
     // returns false instead of waiting.
     unsafe {

@@ -564,17 +564,6 @@ BEGIN
 END
 $$;
 
--- Milliseconds until the earliest run: 0 when one is due, NULL when there is no schedule. Read
--- from the clock, not now(), so a worker sleeping this long wakes when the run is due; the next
--- _fire_schedules() then has to be in a new transaction (its now() is that transaction's start).
-CREATE FUNCTION outbox._schedule_due_in() RETURNS bigint
-LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT greatest(0, ceil(extract(epoch FROM s.next_run - clock_timestamp()) * 1000))::bigint
-      FROM outbox.schedules s
-     ORDER BY s.next_run
-     LIMIT 1
-$$;
-
 -- outbox.schedule_status() (src/schedule.rs) for the role `who`: one row per schedule. An each
 -- schedule's query and a run's error (which may quote its rows) are shown only to the roles that
 -- act for the schedule's owner and to members of pg_read_all_stats, as status() does.

@@ -8,7 +8,8 @@
 //! The workers prune every `pg_outbox.prune_interval` by truncating whole partitions of the log
 //! (`pg_outbox_core::rotation`): no dead tuples and no index bloat on the hottest table. Only
 //! when a reader holds a partition past a short wait, or a transaction older than the cursors
-//! runs (TRUNCATE is not MVCC-safe), do they DELETE its passed events instead, batch by batch.
+//! still runs after another (TRUNCATE is not MVCC-safe), do they DELETE its passed events
+//! instead, batch by batch.
 //! `outbox.prune()`, for operators, deletes exactly what may go, in bounded batches in log order.
 
 use crate::error::{Error, OrReport};
@@ -226,18 +227,26 @@ pub fn prune_partition(k: i16) -> Pruned {
         if !crate::lease::cursors_exclusive(false) {
             return (Pruned::Nothing, false);
         }
+        // The bound, read before the partition is locked: cursors only move forward, and the
+        // bound is below every transaction still running (the read rule's horizon), so it stays
+        // a bound for whatever the partition holds once it is locked.
+        let Some(bound) = as_owner(|| prune_bound(false)) else {
+            return (Pruned::Nothing, false);
+        };
+        // After the cursors were read: a transaction that began later sees them as they were
+        // read, or further on. Those that began before are waited for a moment: under load some
+        // application transaction has always just begun, and ends within milliseconds; only
+        // one that goes on (a dump, a long report) makes the worker DELETE instead.
+        // SAFETY: reads the clock.
+        let bound_at = unsafe { pg_sys::GetCurrentTimestamp() };
+        if !older_snapshots_end(bound_at, OLDER_SNAPSHOT_WAIT) {
+            return (Pruned::Delete(Why::OlderSnapshot), false);
+        }
         if !lock_partition(k) {
             return (Pruned::Delete(Why::Held), false);
         }
         // Under the lock, nobody raises into the partition, and every transaction that did has
         // ended: its newest position now is the newest it will have held when TRUNCATE empties it.
-        let Some(bound) = as_owner(|| prune_bound(false)) else {
-            return (Pruned::Nothing, false);
-        };
-        // After the cursors were read: a transaction that began later sees them as they were
-        // read, or further on.
-        // SAFETY: reads the clock.
-        let bound_at = unsafe { pg_sys::GetCurrentTimestamp() };
         let newest = as_owner(|| {
             // ORDER BY e.txid, not txid: a bare name would sort by the text column of the
             // output ("99998" after "100003"), and truncate past the bound.
@@ -254,9 +263,6 @@ pub fn prune_partition(k: i16) -> Pruned {
         };
         if newest > bound {
             return (Pruned::Nothing, false);
-        }
-        if older_snapshot_running(bound_at) {
-            return (Pruned::Delete(Why::OlderSnapshot), false);
         }
         as_owner(|| Spi::run(&format!("TRUNCATE {table}")))
             .expect("truncating a partition of the log");
@@ -293,9 +299,35 @@ fn lock_partition(k: i16) -> bool {
     }
 }
 
+/// How long the worker's prune waits for the transactions that began before it read the cursors
+/// to end, before it gives up truncating (and DELETEs). No lock on the log is held meanwhile.
+const OLDER_SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Waits up to `within` until no other transaction of this database that began before `at` has
+/// a snapshot; false if one still has.
+fn older_snapshots_end(at: pg_sys::TimestampTz, within: std::time::Duration) -> bool {
+    let start = std::time::Instant::now();
+    loop {
+        if !older_snapshot_running(at) {
+            return true;
+        }
+        if start.elapsed() >= within {
+            return false;
+        }
+        // SAFETY: drops this transaction's copy of the backends' status, so that the next look
+        // at pg_stat_activity reads it afresh; then sleeps a millisecond.
+        unsafe {
+            pg_sys::pgstat_clear_snapshot();
+            pg_sys::pg_usleep(1_000);
+        }
+        pg_sys::check_for_interrupts!();
+    }
+}
+
 /// Whether another transaction of this database that began before `at` has a snapshot. The
-/// workers' own do not count: a worker's transaction reads the log only once it holds every
-/// partition (see `crate::dispatch::lock_members`), which it cannot while the caller holds one.
+/// workers' own do not count: a worker's transaction holds every partition from its start to its
+/// end (see `crate::dispatch::lock_members`), so the partition's lock, taken after this, waits
+/// for it to end, and none begins while the caller holds that lock.
 fn older_snapshot_running(at: pg_sys::TimestampTz) -> bool {
     // The worker's own identity (a superuser) sees every backend's columns.
     Spi::get_one_with_args::<bool>(

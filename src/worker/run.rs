@@ -523,19 +523,34 @@ impl Worker {
             if !dispatch::lock_tables() {
                 return Ok((None, None, None));
             }
-            Spi::get_three_with_args::<TimestampWithTimeZone, i64, i32>(
-                "SELECT checked, due_in, notified FROM outbox._announce_jobs($1, $2, $3, $4)",
-                &[
-                    DatumWithOid::from(queues),
-                    DatumWithOid::from(self.jobs_since),
-                    DatumWithOid::from(if leases {
-                        self.leases_since.or(self.jobs_since)
-                    } else {
-                        None
-                    }),
-                    DatumWithOid::from(every),
-                ],
-            )
+            let args = [
+                DatumWithOid::from(queues),
+                DatumWithOid::from(self.jobs_since),
+                DatumWithOid::from(if leases {
+                    self.leases_since.or(self.jobs_since)
+                } else {
+                    None
+                }),
+                DatumWithOid::from(every),
+            ];
+            // Every round that fanned jobs out asks: a kept plan.
+            Spi::connect_mut(|client| {
+                let rows = crate::plans::update(
+                    client,
+                    "SELECT checked, due_in, notified FROM outbox._announce_jobs($1, $2, $3, $4)",
+                    Some(1),
+                    &args,
+                )?;
+                if rows.is_empty() {
+                    return Ok((None, None, None));
+                }
+                let row = rows.first();
+                Ok::<_, pgrx::spi::Error>((
+                    row.get::<TimestampWithTimeZone>(1)?,
+                    row.get::<i64>(2)?,
+                    row.get::<i32>(3)?,
+                ))
+            })
         });
         match looked {
             // DDL holds the tables: look again soon, not at once.

@@ -239,6 +239,11 @@ pub fn prune_partition(k: i16) -> Pruned {
         // one that goes on (a dump, a long report) makes the worker DELETE instead.
         // SAFETY: reads the clock.
         let bound_at = unsafe { pg_sys::GetCurrentTimestamp() };
+        // Nothing to truncate, or not all of it passed: nothing to wait for either. (The
+        // partition's newest event only grows; it is read again under the lock.)
+        if newest_of(&table).is_none_or(|newest| newest > bound) {
+            return (Pruned::Nothing, false);
+        }
         if !older_snapshots_end(bound_at, OLDER_SNAPSHOT_WAIT) {
             return (Pruned::Delete(Why::OlderSnapshot), false);
         }
@@ -247,21 +252,7 @@ pub fn prune_partition(k: i16) -> Pruned {
         }
         // Under the lock, nobody raises into the partition, and every transaction that did has
         // ended: its newest position now is the newest it will have held when TRUNCATE empties it.
-        let newest = as_owner(|| {
-            // ORDER BY e.txid, not txid: a bare name would sort by the text column of the
-            // output ("99998" after "100003"), and truncate past the bound.
-            Spi::get_two::<String, i64>(&format!(
-                "SELECT e.txid::text, e.seq FROM {table} e ORDER BY e.txid DESC, e.seq DESC LIMIT 1"
-            ))
-        });
-        let newest = match newest {
-            Ok((Some(txid), Some(seq))) => {
-                Position::new(txid.parse().expect("xid8 prints as an integer"), seq)
-            }
-            Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => return (Pruned::Nothing, false),
-            Err(e) => panic!("reading {table}: {e}"),
-        };
-        if newest > bound {
+        if newest_of(&table).is_none_or(|newest| newest > bound) {
             return (Pruned::Nothing, false);
         }
         as_owner(|| Spi::run(&format!("TRUNCATE {table}")))
@@ -269,6 +260,25 @@ pub fn prune_partition(k: i16) -> Pruned {
         (Pruned::Truncated, true)
     });
     outcome.unwrap_or_else(|f| panic!("pruning {table}: {f}"))
+}
+
+/// The position of the newest event of a partition of the log (`table`), None when it is empty.
+fn newest_of(table: &str) -> Option<Position> {
+    let newest = as_owner(|| {
+        // ORDER BY e.txid, not txid: a bare name would sort by the text column of the output
+        // ("99998" after "100003"), and truncate past the bound.
+        Spi::get_two::<String, i64>(&format!(
+            "SELECT e.txid::text, e.seq FROM {table} e ORDER BY e.txid DESC, e.seq DESC LIMIT 1"
+        ))
+    });
+    match newest {
+        Ok((Some(txid), Some(seq))) => Some(Position::new(
+            txid.parse().expect("xid8 prints as an integer"),
+            seq,
+        )),
+        Ok(_) | Err(pgrx::spi::Error::InvalidPosition) => None,
+        Err(e) => panic!("reading {table}: {e}"),
+    }
 }
 
 /// How long a worker waits for the lock that truncating a partition takes, when readers hold it:
@@ -338,7 +348,8 @@ fn older_snapshot_running(at: pg_sys::TimestampTz) -> bool {
                            AND backend_type OPERATOR(pg_catalog.<>) 'autovacuum worker' \
                            AND backend_type OPERATOR(pg_catalog.<>) 'pg_outbox worker' \
                            AND backend_xmin IS NOT NULL \
-                           AND xact_start OPERATOR(pg_catalog.<) $1)",
+                           AND (xact_start OPERATOR(pg_catalog.<) $1 \
+                                OR xact_start IS NULL AND backend_type OPERATOR(pg_catalog.=) 'client backend'))",
         &[DatumWithOid::from(
             pgrx::datum::TimestampWithTimeZone::try_from(at).expect("a timestamp"),
         )],

@@ -374,7 +374,7 @@ fn schedule_status() -> TableIterator<
 pub fn due_in() -> Option<i64> {
     crate::query::one::<i64>(
         "SELECT greatest(0, pg_catalog.ceil(extract(epoch FROM s.next_run OPERATOR(pg_catalog.-) \
-                pg_catalog.clock_timestamp()) * 1000))::pg_catalog.int8 \
+                pg_catalog.clock_timestamp()) OPERATOR(pg_catalog.*) 1000))::pg_catalog.int8 \
            FROM outbox.schedules s ORDER BY s.next_run LIMIT 1",
         &[],
     )

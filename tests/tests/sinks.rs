@@ -923,23 +923,21 @@ fn the_worker_prunes_on_a_timer_whole_partitions_that_every_consumer_passed() {
             statements
         })
     };
-    let (truncated_before, older_before, dead_before) = (
-        truncated(&db.cluster().log()),
-        older(&db.cluster().log()),
-        dead_rows(&mut c),
-    );
+    let deleted = |log: &str| log.matches("pg_outbox: pruned the log: deleted").count();
+    let (truncated_before, deleted_before) =
+        (truncated(&db.cluster().log()), deleted(&db.cluster().log()));
     raise_delivered(&mut c, 51, 55);
     pass_all(&mut c, 5);
     wait_pruned(&mut c);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     assert!(load.join().unwrap() > 0);
+    // (The server log, not the statistics: a truncation resets a partition's dead tuples.)
     assert_eq!(
-        dead_rows(&mut c),
-        dead_before,
+        deleted(&db.cluster().log()),
+        deleted_before,
         "pruning under load deleted nothing"
     );
     assert!(truncated(&db.cluster().log()) > truncated_before);
-    assert_eq!(older(&db.cluster().log()), older_before);
     db.cluster().set("pg_outbox.retention", "7d");
     db.cluster().set("pg_outbox.prune_interval", "1h");
 }

@@ -118,7 +118,7 @@ fn raise(
         })
     })
     .unwrap_or_else(|e| panic!("raise failed: {e}"));
-    crate::worker::wake_at_commit();
+    crate::worker::wake_at_commit(&mut std::iter::once(topic));
     id
 }
 
@@ -288,7 +288,14 @@ fn raise_many(
     })
     .unwrap_or_else(|e| panic!("raise_many failed: {e}"));
     if n > 0 {
-        crate::worker::wake_at_commit();
+        // Each run of one topic is looked at once (a batch usually has one or a few).
+        let mut last: Option<&str> = None;
+        let mut topics = topic_elems.iter().flatten().flatten().filter_map(|t| {
+            let fresh = last != Some(t.as_str());
+            last = Some(t.as_str());
+            fresh.then_some(t.as_str())
+        });
+        crate::worker::wake_at_commit(&mut topics);
     }
     ids
 }

@@ -462,15 +462,16 @@ fn json(text: Option<String>) -> Result<serde_json::Value, String> {
 
 /// The subscriptions that are not paused (name, has a handler), rotated so that workers start
 /// at different ones.
-pub fn active(slot: usize) -> Vec<(String, bool)> {
+pub fn active(slot: usize) -> (Vec<(String, bool)>, super::Reads) {
     let mut names = Vec::new();
+    let mut reads: super::Reads = Some(Vec::new());
     if !super::lock_tables() {
-        return names;
+        return (names, reads);
     }
     Spi::connect(|client| {
         for row in crate::plans::select(
             client,
-            "SELECT name, handler IS NOT NULL FROM outbox.subscriptions WHERE NOT paused ORDER BY name",
+            "SELECT name, handler IS NOT NULL, topics FROM outbox.subscriptions WHERE NOT paused ORDER BY name",
             None,
             &[],
         )? {
@@ -478,6 +479,7 @@ pub fn active(slot: usize) -> Vec<(String, bool)> {
                 row.get::<String>(1)?.expect("name"),
                 row.get::<bool>(2)?.unwrap_or(false),
             ));
+            super::add_reads(&mut reads, row.get::<Vec<String>>(3)?);
         }
         Ok::<_, pgrx::spi::Error>(())
     })
@@ -486,5 +488,5 @@ pub fn active(slot: usize) -> Vec<(String, bool)> {
         let k = slot % names.len();
         names.rotate_left(k);
     }
-    names
+    (names, reads)
 }

@@ -75,6 +75,25 @@ pub struct DueSinks {
     pub count: usize,
     /// Time until the earliest back-off of a sink ends, if any.
     pub next_attempt_in: Option<Duration>,
+    /// The topic patterns the sinks that are not paused read (None: some sink reads every topic).
+    pub reads: Reads,
+}
+
+/// Topic patterns readers read; None: every topic.
+pub type Reads = Option<Vec<String>>;
+
+/// Adds a reader's topic patterns (None: every topic) to `reads`.
+pub fn add_reads(reads: &mut Reads, topics: Option<Vec<String>>) {
+    match (reads.as_mut(), topics) {
+        (Some(all), Some(topics)) => {
+            for t in topics {
+                if !all.contains(&t) {
+                    all.push(t);
+                }
+            }
+        }
+        _ => *reads = None,
+    }
 }
 
 /// Every relation that is a member of the extension (identity sequences too), in the order the
@@ -140,9 +159,7 @@ pub fn lock_members() -> Members {
         return Members::Held;
     }
     let members = lock_members_now();
-    if members == Members::Held && top {
-        HELD_IN.with(|h| h.set(Some(lxid)));
-    }
+    HELD_IN.with(|h| h.set((members == Members::Held && top).then_some(lxid)));
     members
 }
 
@@ -197,23 +214,26 @@ pub fn due_sinks(slot: usize) -> DueSinks {
             due: Vec::new(),
             count: 0,
             next_attempt_in: None,
+            reads: Some(Vec::new()),
         };
     }
     let mut due = Vec::new();
     let mut next: Option<Duration> = None;
     let mut count = 0;
+    let mut reads: Reads = Some(Vec::new());
     Spi::connect(|client| {
         let rows = plans::select(
             client,
             "SELECT id, next_attempt_at IS NULL OR next_attempt_at <= pg_catalog.now(), \
                     (extract(epoch FROM next_attempt_at - pg_catalog.now()) * 1000)::int8, \
-                    kind <> 'sql' \
+                    kind <> 'sql', topics \
                FROM outbox.sinks WHERE NOT paused ORDER BY id",
             None,
             &[],
         )?;
         for row in rows {
             count += 1;
+            add_reads(&mut reads, row.get::<Vec<String>>(5)?);
             let id: String = row.get(1)?.expect("sinks.id is NOT NULL");
             if row.get::<bool>(2)?.unwrap_or(true) {
                 due.push((id, row.get::<bool>(4)?.unwrap_or(false)));
@@ -233,6 +253,7 @@ pub fn due_sinks(slot: usize) -> DueSinks {
         due,
         count,
         next_attempt_in: next,
+        reads,
     }
 }
 

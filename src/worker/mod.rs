@@ -131,6 +131,9 @@ pub struct Slot {
     /// the workers only then: without them a round finds nothing, and a wake per commit would
     /// spend the CPU the writers need.
     has_sinks: bool,
+    /// The topics its sinks and subscriptions read, as the worker last saw them (see
+    /// `Interest`): a commit that raised only other topics wakes nobody.
+    interest: Interest,
     proc_ptr: usize,
     pid: i32,
     /// The database the worker delivers in (an Oid), set by the launcher.
@@ -172,6 +175,7 @@ impl Default for Slot {
             retire: false,
             reaped: false,
             has_sinks: false,
+            interest: Interest::default(),
             proc_ptr: 0,
             pid: 0,
             database: 0,
@@ -255,6 +259,67 @@ pub struct WorkerTable {
     /// Queues that committed transactions gave jobs to claim, for a worker of their database to
     /// NOTIFY (see `announce_at_commit`).
     announced: [Announced; ANNOUNCED],
+    /// Moves on whenever a worker publishes other interests, or a transaction that may change
+    /// them (a sink or subscription created, resumed, altered) commits: a transaction that
+    /// raised and decided against the interests it saw wakes the workers at commit after all if
+    /// this moved meanwhile.
+    interest_generation: u64,
+}
+
+/// What the sinks and subscriptions of a database read, for the commits that raise there.
+#[derive(Clone, Copy)]
+struct Interest {
+    /// Some reader takes every topic, or the patterns did not fit, or nobody looked yet.
+    all: bool,
+    len: u16,
+    /// The patterns, each ended by a newline (no pattern holds one).
+    patterns: [u8; INTEREST_BYTES],
+}
+
+const INTEREST_BYTES: usize = 2048;
+
+impl Default for Interest {
+    fn default() -> Self {
+        Interest {
+            all: true,
+            len: 0,
+            patterns: [0; INTEREST_BYTES],
+        }
+    }
+}
+
+impl Interest {
+    /// `None`: every topic.
+    fn of(patterns: Option<&[String]>) -> Interest {
+        let mut interest = Interest::default();
+        let Some(patterns) = patterns else {
+            return interest;
+        };
+        let mut len = 0;
+        for p in patterns {
+            let end = len + p.len() + 1;
+            if end > INTEREST_BYTES || p.contains('\n') {
+                return interest;
+            }
+            interest.patterns[len..end - 1].copy_from_slice(p.as_bytes());
+            interest.patterns[end - 1] = b'\n';
+            len = end;
+        }
+        interest.all = false;
+        interest.len = len as u16;
+        interest
+    }
+
+    fn same(&self, other: &Interest) -> bool {
+        self.all == other.all
+            && self.patterns[..self.len as usize] == other.patterns[..other.len as usize]
+    }
+
+    fn patterns(&self) -> impl Iterator<Item = &[u8]> {
+        self.patterns[..self.len as usize]
+            .split(|b| *b == b'\n')
+            .filter(|p| !p.is_empty())
+    }
 }
 
 /// Queues announced at once, all databases together; past that, `Slot::announce_all`.
@@ -303,6 +368,7 @@ impl Default for WorkerTable {
             suspects: [(0, 0); SUSPECTS],
             suspects_next: 0,
             announced: [Announced::default(); ANNOUNCED],
+            interest_generation: 0,
         }
     }
 }
@@ -580,6 +646,13 @@ unsafe extern "C-unwind" fn on_process_utility(
         if !stmt.is_null() && (*stmt).type_ == pg_sys::NodeTag::T_CreatedbStmt {
             leave_template(stmt.cast());
         }
+        if !stmt.is_null()
+            && (*stmt).type_ == pg_sys::NodeTag::T_TransactionStmt
+            && (*stmt.cast::<pg_sys::TransactionStmt>()).kind
+                == pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED
+        {
+            wake_at_commit_prepared();
+        }
         match PREV_PROCESS_UTILITY_HOOK {
             Some(prev) => prev(pstmt, query, read_only_tree, context, params, env, dest, qc),
             None => standard_process_utility(
@@ -593,6 +666,16 @@ unsafe extern "C-unwind" fn on_process_utility(
                 qc,
             ),
         }
+    }
+}
+
+/// COMMIT PREPARED makes visible what a prepared transaction raised, and the transaction that
+/// raised it woke nobody (PREPARE is not a commit): this one wakes a worker of the database (the
+/// one it prepared in) when it commits, whatever it raised.
+#[pg_guard]
+unsafe extern "C-unwind" fn wake_at_commit_prepared() {
+    if preloaded() {
+        pgrx::register_xact_callback(PgXactCallbackEvent::Commit, wake_one);
     }
 }
 
@@ -893,27 +976,114 @@ pub fn wake_one() {
     }
 }
 
-/// Whether this database's workers last saw a sink or subscription (see `Slot::has_sinks`).
-fn has_sinks() -> bool {
-    let database = my_database();
-    WORKERS
-        .share()
-        .slots
-        .iter()
-        .any(|s| s.serving(database) && s.has_sinks)
-}
-
 thread_local! {
     static WAKE_REGISTERED: Cell<bool> = const { Cell::new(false) };
+    /// This transaction raised only topics nobody read when it looked: the interest generation
+    /// it saw then (see `WorkerTable::interest_generation`).
+    static UNREAD_SINCE: Cell<Option<u64>> = const { Cell::new(None) };
+    /// The patterns of this database's readers, compiled, and the generation they are of.
+    static READ: std::cell::RefCell<Option<(u64, u32, Read)>> = const { std::cell::RefCell::new(None) };
+}
+
+/// What this database's sinks and subscriptions read, compiled for matching raised topics.
+enum Read {
+    Nothing,
+    Every,
+    Patterns(Vec<pg_outbox_core::pattern::Pattern>),
+}
+
+impl Read {
+    fn any(&self, topics: &mut dyn Iterator<Item = &str>) -> bool {
+        match self {
+            Read::Nothing => false,
+            Read::Every => true,
+            Read::Patterns(patterns) => {
+                for topic in topics {
+                    if patterns.iter().any(|p| p.matches(topic)) {
+                        return true;
+                    }
+                }
+                false
+            }
+        }
+    }
+}
+
+/// What the workers of this database last published that their readers read, and the
+/// generation it is of.
+fn read_now() -> (u64, Read) {
+    let database = my_database();
+    let table = WORKERS.share();
+    let generation = table.interest_generation;
+    let mut serving = table.slots.iter().filter(|s| s.serving(database));
+    let mut patterns = Vec::new();
+    let mut any = false;
+    for s in &mut serving {
+        any = true;
+        if !s.has_sinks {
+            continue;
+        }
+        if s.interest.all {
+            return (generation, Read::Every);
+        }
+        for p in s.interest.patterns() {
+            match std::str::from_utf8(p)
+                .ok()
+                .and_then(|p| pg_outbox_core::pattern::Pattern::parse(p).ok())
+            {
+                Some(p) => patterns.push(p),
+                None => return (generation, Read::Every),
+            }
+        }
+    }
+    if !any || patterns.is_empty() {
+        return (generation, Read::Nothing);
+    }
+    (generation, Read::Patterns(patterns))
 }
 
 /// Wakes a worker when the current transaction commits (once per transaction, however many
-/// events it raises), if there is a sink to deliver to. A rollback wakes nobody.
-pub fn wake_at_commit() {
-    if !preloaded() || WAKE_REGISTERED.with(|r| r.get()) || !has_sinks() {
+/// events it raises), if a sink or subscription of this database reads one of `topics`. A
+/// rollback wakes nobody.
+///
+/// Whether one does is what the workers last published (`publish_interest`, every round).
+/// A reader created, resumed or altered since moves the interest generation on at its commit;
+/// if it moved between this look and this transaction's commit, the commit wakes the workers
+/// after all, so that no event waits for the next poll because of a stale look.
+pub fn wake_at_commit(topics: &mut dyn Iterator<Item = &str>) {
+    if !preloaded() || WAKE_REGISTERED.with(|r| r.get()) {
         return;
     }
-    register_wake();
+    let database = my_database();
+    let generation = WORKERS.share().interest_generation;
+    let read = READ.with(|read| {
+        let mut read = read.borrow_mut();
+        if !matches!(&*read, Some((g, d, _)) if *g == generation && *d == database) {
+            let (g, r) = read_now();
+            *read = Some((g, database, r));
+        }
+        let (g, _, r) = read.as_ref().expect("just filled");
+        (*g, r.any(topics))
+    });
+    match read {
+        (_, true) => register_wake(),
+        (seen, false) => {
+            if UNREAD_SINCE.with(|u| u.get()).is_none() {
+                UNREAD_SINCE.with(|u| u.set(Some(seen)));
+                pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
+                    let seen = UNREAD_SINCE.with(|u| u.take());
+                    if !WAKE_REGISTERED.with(|r| r.get())
+                        && seen.is_some_and(|seen| WORKERS.share().interest_generation != seen)
+                    {
+                        wake_one();
+                    }
+                });
+                pgrx::register_xact_callback(PgXactCallbackEvent::Abort, || {
+                    UNREAD_SINCE.with(|u| u.set(None))
+                });
+            }
+        }
+    }
 }
 
 /// Wakes a worker at commit whether or not sinks exist (a sink was created, resumed, replayed).
@@ -921,12 +1091,32 @@ pub fn wake_at_commit_always() {
     if !preloaded() {
         return;
     }
-    // A sink exists from this commit on: commits that raise events wake the workers at once,
-    // without waiting for a worker's round to notice it.
-    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || set_has_sinks(true));
+    // A reader exists from this commit on, or reads other topics: commits that raise events
+    // wake the workers at once, without waiting for a worker's round to notice it.
+    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
+        set_has_sinks(true);
+        let database = my_database();
+        let mut table = WORKERS.exclusive();
+        for s in table.slots.iter_mut().filter(|s| s.serving(database)) {
+            s.interest.all = true;
+        }
+        table.interest_generation = table.interest_generation.wrapping_add(1);
+    });
     if !WAKE_REGISTERED.with(|r| r.get()) {
         register_wake();
     }
+}
+
+/// Publishes what this worker's database reads (the topic patterns of its sinks and
+/// subscriptions that are not paused; None: every topic), read in its round.
+pub(crate) fn publish_interest(slot: usize, patterns: Option<&[String]>) {
+    let interest = Interest::of(patterns);
+    if WORKERS.share().slots[slot].interest.same(&interest) {
+        return;
+    }
+    let mut table = WORKERS.exclusive();
+    table.slots[slot].interest = interest;
+    table.interest_generation = table.interest_generation.wrapping_add(1);
 }
 
 fn register_wake() {
@@ -1117,8 +1307,16 @@ pub(crate) fn take_look_by(slot: usize) -> Option<std::time::Duration> {
 }
 
 /// Records when this worker looks for jobs next, so that `look_by` wakes it only for sooner.
-pub(crate) fn set_looks_at(slot: usize, after: std::time::Duration) {
-    let at = now().saturating_add(after.as_micros().min(i64::MAX as u128) as i64);
+/// None: the worker does not look (it is not the first of its database). Every round says so:
+/// the exclusive lock is taken only when the time moves by a millisecond or more.
+pub(crate) fn set_looks_at(slot: usize, after: Option<std::time::Duration>) {
+    let at = after.map_or(0, |after| {
+        now().saturating_add(after.as_micros().min(i64::MAX as u128) as i64)
+    });
+    let was = WORKERS.share().slots[slot].looks_at;
+    if (at == 0) == (was == 0) && at.abs_diff(was) < 1_000 {
+        return;
+    }
     with_slot(slot, |s| s.looks_at = at);
 }
 
@@ -1266,6 +1464,16 @@ pub(crate) fn slot_outcome(slot: usize, outcome: u8) {
 /// Records whether this database has sinks or subscriptions, for every worker of it.
 pub(crate) fn set_has_sinks(has: bool) {
     let database = my_database();
+    // Every round says so: the exclusive lock only when it changes.
+    if WORKERS
+        .share()
+        .slots
+        .iter()
+        .filter(|s| s.serving(database))
+        .all(|s| s.has_sinks == has)
+    {
+        return;
+    }
     let mut table = WORKERS.exclusive();
     for s in table.slots.iter_mut().filter(|s| s.serving(database)) {
         s.has_sinks = has;
@@ -1429,4 +1637,40 @@ fn wake() {
         .iter()
         .filter(|s| s.serving(database))
         .for_each(set_latch);
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pgrx::pg_schema]
+mod tests {
+    use super::{Interest, INTEREST_BYTES};
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn interests_keep_their_patterns_or_say_every_topic() {
+        let every = Interest::of(None);
+        assert!(every.all);
+        let some = Interest::of(Some(&["order.#".to_string(), "audit.*".to_string()]));
+        assert!(!some.all);
+        let patterns: Vec<&[u8]> = some.patterns().collect();
+        assert_eq!(patterns, [b"order.#".as_slice(), b"audit.*".as_slice()]);
+        assert!(some.same(&Interest::of(Some(&[
+            "order.#".to_string(),
+            "audit.*".to_string()
+        ]))));
+        assert!(!some.same(&Interest::of(Some(&["order.#".to_string()]))));
+        assert!(!some.same(&every));
+        // Readers with no pattern at all (none left): nothing is read.
+        let none = Interest::of(Some(&[]));
+        assert!(!none.all && none.patterns().next().is_none());
+        // Patterns that do not fit: every topic, never a pattern cut short.
+        // Each "tNNNNN.#" takes 9 bytes with its newline.
+        let many: Vec<String> = (0..=INTEREST_BYTES / 9)
+            .map(|i| format!("t{i:05}.#"))
+            .collect();
+        assert!(Interest::of(Some(&many)).all);
+        let fits: Vec<String> = many[..INTEREST_BYTES / 9].to_vec();
+        let interest = Interest::of(Some(&fits));
+        assert!(!interest.all);
+        assert_eq!(interest.patterns().count(), fits.len());
+    }
 }

@@ -303,7 +303,7 @@ impl Worker {
                         dispatch::events_waiting(),
                     )
                 } else {
-                    (Vec::new(), None, false, false)
+                    ((Vec::new(), Some(Vec::new())), None, false, false)
                 };
             (
                 state,
@@ -314,13 +314,14 @@ impl Worker {
                 waiting,
             )
         });
-        let (state, sinks, subscriptions, schedule_due_in, restored, waiting) = match round {
-            Ok(round) => round,
-            Err(e) => {
-                self.failed(&e.to_string());
-                return poll;
-            }
-        };
+        let (state, sinks, (subscriptions, subscriptions_read), schedule_due_in, restored, waiting) =
+            match round {
+                Ok(round) => round,
+                Err(e) => {
+                    self.failed(&e.to_string());
+                    return poll;
+                }
+            };
         if state == Installed::Missing {
             // A probe found nothing, or DROP EXTENSION: the launcher remembers, and looks again
             // when CREATE EXTENSION asks it to.
@@ -386,6 +387,9 @@ impl Worker {
         let sinks = sinks.expect("due sinks are read when the SQL is ready");
         let consumers = sinks.count + subscriptions.len();
         super::set_has_sinks(consumers > 0);
+        let mut reads = sinks.reads.clone();
+        dispatch::add_reads(&mut reads, subscriptions_read);
+        super::publish_interest(self.slot, reads.as_deref());
         let mut results = Vec::new();
         self.finished_flights(&mut results);
         for (sink, is_http) in sinks.due {
@@ -607,7 +611,7 @@ impl Worker {
     /// the others (`look_by` wakes it only for sooner).
     fn next_jobs_look(&self, first: bool, now: Instant) -> Option<Duration> {
         let next = first.then(|| self.jobs_check_at.saturating_duration_since(now));
-        super::set_looks_at(self.slot, next.unwrap_or(Duration::ZERO));
+        super::set_looks_at(self.slot, next);
         next
     }
 

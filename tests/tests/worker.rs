@@ -1,7 +1,7 @@
 //! The worker's lifecycle: it leaves a database being dropped, idles while the installed SQL does
 //! not match the binary, and features that need it refuse clearly when pg_outbox is not preloaded.
 
-use pg_outbox_tests::{eventually, sqlstate, test_db, worker_db, Cluster};
+use pg_outbox_tests::{eventually, read, sqlstate, test_db, worker_db, Cluster};
 use std::time::{Duration, Instant};
 
 #[test]
@@ -168,4 +168,143 @@ fn the_workers_show_in_pg_stat_activity_what_they_are_doing() {
         .unwrap();
     assert!(all >= 1);
     assert_eq!(named, all);
+}
+
+/// A commit wakes the workers only when a sink or subscription there reads a topic it raised:
+/// raising topics nobody reads costs no round per commit (each round passes every due sink).
+#[test]
+fn commits_raising_only_topics_nobody_reads_wake_nobody() {
+    let db = worker_db("interest");
+    let mut c = db.connect();
+    c.batch_execute(
+        "CREATE TABLE ledger (pos text, topic text);
+         CREATE FUNCTION rec(events outbox.event[]) RETURNS void LANGUAGE sql AS
+           $$ INSERT INTO public.ledger SELECT e.position, e.topic FROM unnest(events) e $$;
+         SELECT outbox.create_sink('rec', 'rec(outbox.event[])', topics => ARRAY['order.#']);",
+    )
+    .unwrap();
+    let ledger = |c: &mut postgres::Client| -> i64 {
+        c.query_one("SELECT count(*) FROM ledger", &[])
+            .unwrap()
+            .get(0)
+    };
+    let passes = |c: &mut postgres::Client| -> i64 {
+        c.query_one(
+            "SELECT coalesce(sum(passes), 0)::int8 FROM outbox.workers()",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    // The workers have seen the sink: a read topic is delivered at its commit.
+    c.batch_execute("SELECT outbox.raise('order.placed')")
+        .unwrap();
+    eventually("the first delivery", Duration::from_secs(10), || {
+        (ledger(&mut c) == 1).then_some(())
+    });
+    c.batch_execute("SELECT outbox.create_consumer('audit', start_at => 'now')")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+
+    // 200 commits of a topic only a pull consumer reads, 2 ms apart: a round each would pass
+    // the sink 200 times; without wake-ups the workers go round on their poll (1 s).
+    let before = passes(&mut c);
+    let start = Instant::now();
+    for i in 0..200 {
+        c.execute(
+            "SELECT outbox.raise('audit.read', jsonb_build_object('i', $1::int4))",
+            &[&i],
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let took = start.elapsed();
+    let unread = passes(&mut c) - before;
+    // Two workers polling, and their short re-checks while events wait behind the horizon.
+    assert!(
+        unread <= 12,
+        "200 commits of an unread topic in {took:?} made {unread} passes"
+    );
+    assert_eq!(
+        read(&mut c, "audit", 1000).len(),
+        200,
+        "the consumer reads them"
+    );
+
+    // A read topic still wakes them at each commit: delivered long before a poll would.
+    for i in 0..5 {
+        let start = Instant::now();
+        c.execute(
+            "SELECT outbox.raise('order.paid', jsonb_build_object('i', $1::int4))",
+            &[&i],
+        )
+        .unwrap();
+        eventually("delivery of a read topic", Duration::from_secs(10), || {
+            (ledger(&mut c) == 2 + i as i64).then_some(())
+        });
+        assert!(
+            start.elapsed() < Duration::from_millis(500),
+            "a read topic waited {:?}",
+            start.elapsed()
+        );
+    }
+
+    // A prepared transaction woke nobody when it prepared: COMMIT PREPARED does (three times,
+    // so that the poll cannot pass for it by chance).
+    let mut preparer = db.connect();
+    for round in 0..3 {
+        preparer
+            .batch_execute(&format!(
+            "BEGIN; SELECT outbox.raise('order.prepared'); PREPARE TRANSACTION 'interest-{round}'"
+        ))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(1100));
+        let start = Instant::now();
+        // From another session, as a transaction manager would.
+        db.connect()
+            .batch_execute(&format!("COMMIT PREPARED 'interest-{round}'"))
+            .unwrap();
+        eventually(
+            "delivery after COMMIT PREPARED",
+            Duration::from_secs(10),
+            || (ledger(&mut c) == 7 + round).then_some(()),
+        );
+        assert!(
+            start.elapsed() < Duration::from_millis(300),
+            "the prepared event waited {:?}",
+            start.elapsed()
+        );
+    }
+
+    // A sink created in a transaction that commits between another's raise and its commit: that
+    // commit wakes the workers after all, and the new sink gets the event at once.
+    c.batch_execute(
+        "CREATE TABLE audit_ledger (pos text);
+         CREATE FUNCTION audit_rec(events outbox.event[]) RETURNS void LANGUAGE sql AS
+           $$ INSERT INTO public.audit_ledger SELECT e.position FROM unnest(events) e $$;",
+    )
+    .unwrap();
+    let mut raiser = db.connect();
+    raiser
+        .batch_execute("BEGIN; SELECT outbox.raise('audit.late')")
+        .unwrap();
+    c.batch_execute(
+        "SELECT outbox.create_sink('audit_rec', 'audit_rec(outbox.event[])', topics => ARRAY['audit.late'], start_at => 'now')",
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    raiser.batch_execute("COMMIT").unwrap();
+    eventually("the late sink's delivery", Duration::from_secs(10), || {
+        let n: i64 = c
+            .query_one("SELECT count(*) FROM audit_ledger", &[])
+            .unwrap()
+            .get(0);
+        (n == 1).then_some(())
+    });
+    assert!(
+        start.elapsed() < Duration::from_millis(500),
+        "the event for the new sink waited {:?}",
+        start.elapsed()
+    );
 }

@@ -277,6 +277,9 @@ struct Interest {
 }
 
 const INTEREST_BYTES: usize = 2048;
+/// Patterns published at most (past that: every topic), so that the look of a raise stays cheap
+/// whatever patterns tenants give their sinks.
+const INTEREST_PATTERNS: usize = 64;
 
 impl Default for Interest {
     fn default() -> Self {
@@ -295,6 +298,9 @@ impl Interest {
         let Some(patterns) = patterns else {
             return interest;
         };
+        if patterns.len() > INTEREST_PATTERNS {
+            return interest;
+        }
         let mut len = 0;
         for p in patterns {
             let end = len + p.len() + 1;
@@ -989,18 +995,31 @@ thread_local! {
 enum Read {
     Nothing,
     Every,
-    Patterns(Vec<pg_outbox_core::pattern::Pattern>),
+    /// The patterns, and topics already found unread by them (a backend raises the same few).
+    Patterns(
+        Vec<pg_outbox_core::pattern::Pattern>,
+        std::collections::HashSet<String>,
+    ),
 }
 
+/// Unread topics a backend remembers per generation, at most.
+const UNREAD_REMEMBERED: usize = 64;
+
 impl Read {
-    fn any(&self, topics: &mut dyn Iterator<Item = &str>) -> bool {
+    fn any(&mut self, topics: &mut dyn Iterator<Item = &str>) -> bool {
         match self {
             Read::Nothing => false,
             Read::Every => true,
-            Read::Patterns(patterns) => {
+            Read::Patterns(patterns, unread) => {
                 for topic in topics {
+                    if unread.contains(topic) {
+                        continue;
+                    }
                     if patterns.iter().any(|p| p.matches(topic)) {
                         return true;
+                    }
+                    if unread.len() < UNREAD_REMEMBERED {
+                        unread.insert(topic.to_string());
                     }
                 }
                 false
@@ -1010,36 +1029,42 @@ impl Read {
 }
 
 /// What the workers of this database last published that their readers read, and the
-/// generation it is of.
+/// generation it is of. The patterns are copied out under the lock (each worker publishes the
+/// same list: copied once) and compiled after it.
 fn read_now() -> (u64, Read) {
     let database = my_database();
-    let table = WORKERS.share();
-    let generation = table.interest_generation;
-    let mut serving = table.slots.iter().filter(|s| s.serving(database));
-    let mut patterns = Vec::new();
-    let mut any = false;
-    for s in &mut serving {
-        any = true;
-        if !s.has_sinks {
-            continue;
-        }
-        if s.interest.all {
-            return (generation, Read::Every);
-        }
-        for p in s.interest.patterns() {
-            match std::str::from_utf8(p)
-                .ok()
-                .and_then(|p| pg_outbox_core::pattern::Pattern::parse(p).ok())
-            {
-                Some(p) => patterns.push(p),
-                None => return (generation, Read::Every),
+    let (generation, published) = {
+        let table = WORKERS.share();
+        let mut published: Vec<Interest> = Vec::new();
+        for s in table
+            .slots
+            .iter()
+            .filter(|s| s.serving(database) && s.has_sinks)
+        {
+            if s.interest.all {
+                return (table.interest_generation, Read::Every);
+            }
+            if !published.iter().any(|p| p.same(&s.interest)) {
+                published.push(s.interest);
             }
         }
+        (table.interest_generation, published)
+    };
+    let mut patterns = Vec::new();
+    for p in published.iter().flat_map(Interest::patterns) {
+        match std::str::from_utf8(p)
+            .ok()
+            .and_then(|p| pg_outbox_core::pattern::Pattern::parse(p).ok())
+        {
+            Some(p) if !patterns.contains(&p) => patterns.push(p),
+            Some(_) => {}
+            None => return (generation, Read::Every),
+        }
     }
-    if !any || patterns.is_empty() {
+    if patterns.is_empty() {
         return (generation, Read::Nothing);
     }
-    (generation, Read::Patterns(patterns))
+    (generation, Read::Patterns(patterns, Default::default()))
 }
 
 /// Wakes a worker when the current transaction commits (once per transaction, however many
@@ -1062,7 +1087,7 @@ pub fn wake_at_commit(topics: &mut dyn Iterator<Item = &str>) {
             let (g, r) = read_now();
             *read = Some((g, database, r));
         }
-        let (g, _, r) = read.as_ref().expect("just filled");
+        let (g, _, r) = read.as_mut().expect("just filled");
         (*g, r.any(topics))
     });
     match read {
@@ -1092,12 +1117,15 @@ pub fn wake_at_commit_always() {
         return;
     }
     // A reader exists from this commit on, or reads other topics: commits that raise events
-    // wake the workers at once, without waiting for a worker's round to notice it.
-    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
-        set_has_sinks(true);
+    // wake the workers at once, without waiting for a worker's round to notice it. Said just
+    // before the commit (an abort after it only wakes the workers more than needed), so that a
+    // transaction that looked before and commits after this one is woken by its own commit, and
+    // one that looks after sees every topic read, whatever order the commit callbacks run in.
+    pgrx::register_xact_callback(PgXactCallbackEvent::PreCommit, || {
         let database = my_database();
         let mut table = WORKERS.exclusive();
         for s in table.slots.iter_mut().filter(|s| s.serving(database)) {
+            s.has_sinks = true;
             s.interest.all = true;
         }
         table.interest_generation = table.interest_generation.wrapping_add(1);
@@ -1478,6 +1506,8 @@ pub(crate) fn set_has_sinks(has: bool) {
     for s in table.slots.iter_mut().filter(|s| s.serving(database)) {
         s.has_sinks = has;
     }
+    // Commits look at has_sinks too (`read_now`): a backend that saw none must look again.
+    table.interest_generation = table.interest_generation.wrapping_add(1);
 }
 
 /// Whether this worker is the first of its database (the lowest slot): it prunes, and announces
@@ -1642,7 +1672,7 @@ fn wake() {
 #[cfg(any(test, feature = "pg_test"))]
 #[pgrx::pg_schema]
 mod tests {
-    use super::{Interest, INTEREST_BYTES};
+    use super::{Interest, INTEREST_BYTES, INTEREST_PATTERNS};
     use pgrx::prelude::*;
 
     #[pg_test]
@@ -1662,15 +1692,19 @@ mod tests {
         // Readers with no pattern at all (none left): nothing is read.
         let none = Interest::of(Some(&[]));
         assert!(!none.all && none.patterns().next().is_none());
-        // Patterns that do not fit: every topic, never a pattern cut short.
-        // Each "tNNNNN.#" takes 9 bytes with its newline.
-        let many: Vec<String> = (0..=INTEREST_BYTES / 9)
+        // Patterns that do not fit, by number or by size: every topic, never a pattern cut short.
+        let fits: Vec<String> = (0..INTEREST_PATTERNS)
             .map(|i| format!("t{i:05}.#"))
             .collect();
-        assert!(Interest::of(Some(&many)).all);
-        let fits: Vec<String> = many[..INTEREST_BYTES / 9].to_vec();
         let interest = Interest::of(Some(&fits));
         assert!(!interest.all);
-        assert_eq!(interest.patterns().count(), fits.len());
+        assert_eq!(interest.patterns().count(), INTEREST_PATTERNS);
+        let mut many = fits.clone();
+        many.push("one.more".to_string());
+        assert!(Interest::of(Some(&many)).all);
+        let long: Vec<String> = (0..INTEREST_PATTERNS)
+            .map(|i| format!("{}.{i:05}", "a".repeat(INTEREST_BYTES / INTEREST_PATTERNS)))
+            .collect();
+        assert!(Interest::of(Some(&long)).all);
     }
 }

@@ -387,7 +387,7 @@ impl Worker {
         let sinks = sinks.expect("due sinks are read when the SQL is ready");
         let consumers = sinks.count + subscriptions.len();
         super::set_has_sinks(consumers > 0);
-        let mut reads = sinks.reads.clone();
+        let mut reads = sinks.reads;
         dispatch::add_reads(&mut reads, subscriptions_read);
         super::publish_interest(self.slot, reads.as_deref());
         let mut results = Vec::new();

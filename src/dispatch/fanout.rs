@@ -5,6 +5,12 @@
 //! (the event as its payload, the event's id as its key, so a job is never queued twice while
 //! it waits), move the cursor past the whole window and count -- all in one transaction, so a
 //! crash anywhere leaves either all of it or none.
+//!
+//! A subscription with a SQL handler runs its matches in the pass instead (`run_inline`), as its
+//! job runner would (as its owner, a batch per subtransaction): the handler's writes commit with
+//! the cursor move, so a job that ran at once is never written, read back, locked and deleted.
+//! The matches of a batch that fails, or that the pass has no time left for, are written as
+//! jobs, and the job runner (`dispatch::jobs`) retries them one by one as before.
 
 use super::PassResult;
 use crate::cursor;
@@ -62,6 +68,9 @@ struct Subscription {
     /// The last event it was evaluated on, once its filter used up its time for this pass: its
     /// cursor moves only that far, and the rest of the window waits for its next pass.
     stopped_at: Option<String>,
+    /// A subscription with a handler: its matches in this window (position, seq), to run in
+    /// this pass (`run_inline`) rather than be written as jobs. None: they are written as jobs.
+    inline: Option<Vec<(String, i64)>>,
 }
 
 /// The time one subscription's filter may take in one pass. Every subscription at the same cursor
@@ -154,7 +163,13 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
             verdicts: Verdicts::default(),
             spent: std::time::Duration::ZERO,
             stopped_at: None,
+            inline: None,
         });
+    }
+    for sub in subs.iter_mut() {
+        if sub.handler.is_some() && crate::worker::runs_inline(&sub.name) {
+            sub.inline = Some(Vec::new());
+        }
     }
     (subs, contended)
 }
@@ -223,8 +238,9 @@ pub fn pass(names: &[&str]) -> PassResult {
         }
         let (mut matched, mut full) = (0usize, false);
         let mut any = false;
+        let mut calls_left = INLINE_CALLS;
         for (cursor, mut group) in groups {
-            if let Some((m, f)) = fan_out(client, cursor, &mut group) {
+            if let Some((m, f)) = fan_out(client, cursor, &mut group, &mut calls_left) {
                 any = true;
                 matched += m;
                 full |= f;
@@ -250,6 +266,7 @@ fn fan_out(
     client: &mut SpiClient<'_>,
     cursor: Position,
     group: &mut [Subscription],
+    calls_left: &mut usize,
 ) -> Option<(usize, bool)> {
     let filters: Vec<&Rc<Filter>> = group
         .iter()
@@ -348,6 +365,10 @@ fn fan_out(
             match verdict {
                 Ok(true) => {
                     sub.verdicts.matches += 1;
+                    if let Some(inline) = sub.inline.as_mut() {
+                        inline.push((position.clone(), seq_of(&position)));
+                        continue;
+                    }
                     subs.push(sub.name.clone());
                     queues.push(sub.queue.clone());
                     handlers.push(sub.handler);
@@ -365,8 +386,24 @@ fn fan_out(
         last = Some(position);
     }
     let last: Position = last?.parse().expect("positions are well-formed");
-    let matched = subs.len();
-    if matched > 0 {
+    // A handler subscription's matches run now, in this transaction; what did not (a call that
+    // failed, the pass's time for them used up) is written as jobs like any other match.
+    for sub in group.iter_mut() {
+        let Some(inline) = sub.inline.take() else {
+            continue;
+        };
+        let ran = run_inline(client, sub, &inline, calls_left);
+        for (position, seq) in inline.into_iter().skip(ran) {
+            subs.push(sub.name.clone());
+            queues.push(sub.queue.clone());
+            handlers.push(sub.handler);
+            attempts.push(sub.max_attempts);
+            positions.push(position);
+            seqs.push(seq);
+        }
+    }
+    let matched = group.iter().map(|s| s.verdicts.matches as usize).sum();
+    if !subs.is_empty() {
         // External workers of the queues that get jobs to claim are woken once this commits.
         let announced: std::collections::BTreeSet<&str> = group
             .iter()
@@ -440,6 +477,118 @@ fn fan_out(
         .expect("counting fan-out");
     // A subscription stopped short has more to read: come back at once.
     Some((matched, stopped || count >= WINDOW as usize))
+}
+
+/// Matches run per handler call in the fan-out pass: the first call gets [`INLINE_FIRST`], and
+/// each next one twice as many, up to a sink's default batch, while the time the last one took
+/// says the next fits in [`INLINE_BUDGET`].
+const INLINE_FIRST: usize = 16;
+const INLINE_BATCH: usize = 128;
+
+/// The time a subscription's handler may take in one fan-out pass before the rest of its matches
+/// are written as jobs (which several workers then run side by side): a slow handler holds
+/// neither the subscriptions that share its pass nor its own matches behind one worker.
+const INLINE_BUDGET: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Handler calls in one pass, each a subtransaction: the transaction's subtransaction ids stay
+/// within the cache every backend keeps (64), so nobody's snapshots overflow to pg_subtrans.
+const INLINE_CALLS: usize = 32;
+
+/// The matched events of `positions` (position, seq) as one outbox.event[] datum, in that order,
+/// and that type's oid; the events whose job for this subscription still waits (a cursor moved
+/// back by hand) are left out, as the job INSERT's ON CONFLICT leaves them. Read as the worker,
+/// before the handler runs as the subscription's owner.
+const INLINE_EVENTS_SQL: &str = "\
+    SELECT pg_catalog.array_agg(ROW(e.id, m.position, e.topic, e.subject, e.tenant, e.payload, e.headers, \
+                                    e.raised_at)::outbox.event ORDER BY m.n), \
+           'outbox.event[]'::pg_catalog.regtype::pg_catalog.oid \
+      FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::int8[])) WITH ORDINALITY \
+           AS m(position, seq, n) \
+      JOIN outbox.events e \
+        ON e.txid OPERATOR(pg_catalog.=) pg_catalog.split_part(m.position, ':', 1)::pg_catalog.xid8 \
+       AND e.seq OPERATOR(pg_catalog.=) m.seq \
+     WHERE NOT EXISTS (SELECT FROM outbox.jobs j \
+                        WHERE j.queue OPERATOR(pg_catalog.=) $3 AND j.subscription OPERATOR(pg_catalog.=) $4 \
+                          AND j.event OPERATOR(pg_catalog.=) e.id AND j.state OPERATOR(pg_catalog.=) 'waiting')";
+
+/// Runs `sub`'s handler on its `matches` (in window order), as its owner, in batches (see
+/// [`INLINE_BATCH`]), each in a subtransaction of the pass's transaction: the handler's
+/// writes commit with the cursor move, as a job's commit with the job's removal, so a match that
+/// ran is never written as a job. Stops at the first batch that fails (its effects are rolled
+/// back) or once [`INLINE_BUDGET`] is spent. Returns how many of `matches` went through; the
+/// rest become jobs, so a failing event gets its attempts, back-off and dead state from the job
+/// runner (`dispatch::jobs`), exactly as if it had been queued.
+fn run_inline(
+    client: &mut SpiClient<'_>,
+    sub: &Subscription,
+    matches: &[(String, i64)],
+    calls_left: &mut usize,
+) -> usize {
+    if matches.is_empty() || *calls_left == 0 {
+        return 0;
+    }
+    let Some((call, owner)) = super::jobs::handler_of(client, &sub.name) else {
+        return 0;
+    };
+    let sql = format!("SELECT {call}(e) FROM pg_catalog.unnest($1::outbox.event[]) e");
+    let started = std::time::Instant::now();
+    let (mut ran, mut size) = (0, INLINE_FIRST);
+    while ran < matches.len() && *calls_left > 0 {
+        *calls_left -= 1;
+        let batch = &matches[ran..matches.len().min(ran + size)];
+        let call_started = std::time::Instant::now();
+        let (positions, seqs): (Vec<&str>, Vec<i64>) =
+            batch.iter().map(|(p, s)| (p.as_str(), *s)).unzip();
+        let table = plans::select(
+            client,
+            INLINE_EVENTS_SQL,
+            Some(1),
+            &[
+                DatumWithOid::from(positions),
+                DatumWithOid::from(seqs),
+                DatumWithOid::from(sub.queue.as_str()),
+                DatumWithOid::from(sub.name.as_str()),
+            ],
+        )
+        .expect("reading the events of a subscription's matches");
+        let row = table.first();
+        let events = row.get_datum_by_ordinal(1).expect("events");
+        let event_array: pg_sys::Oid = row.get(2).expect("type").expect("outbox.event[]");
+        if let Some(events) = events {
+            // SAFETY: an outbox.event[] read in this SPI connection, still alive.
+            let arg = unsafe { DatumWithOid::new(events, event_array) };
+            let target = crate::worker::Target::Inline {
+                subscription: &sub.name,
+            };
+            let called = super::as_handler_owner(owner, target, || {
+                plans::call(client, &sql, &[arg])
+                    .map(|_| ())
+                    .unwrap_or_else(|e| panic!("{e}"));
+            });
+            if let Err(failure) = called {
+                pgrx::log!(
+                    "pg_outbox: subscription \"{}\": its handler failed on a batch of {} match(es), queued as jobs: {failure}",
+                    sub.name,
+                    batch.len()
+                );
+                break;
+            }
+        }
+        ran += batch.len();
+        // The next call, at this one's pace, must end within the budget.
+        let per_match = call_started.elapsed() / batch.len() as u32;
+        let next = (size * 2).min(INLINE_BATCH);
+        let left = INLINE_BUDGET.saturating_sub(started.elapsed());
+        if per_match * next.min(matches.len() - ran) as u32 > left {
+            size = (left.as_nanos() / per_match.as_nanos().max(1)) as usize;
+            if size == 0 {
+                break;
+            }
+        } else {
+            size = next;
+        }
+    }
+    ran
 }
 
 /// The seq of a position the window read ("txid:seq").

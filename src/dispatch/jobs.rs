@@ -188,7 +188,10 @@ pub fn after_hang(subscription: &str, ids: &[i64]) {
 }
 
 /// The handler to call (schema-qualified, quoted) and the role it runs as.
-fn handler_of(client: &SpiClient<'_>, subscription: &str) -> Option<(String, pg_sys::Oid)> {
+pub(super) fn handler_of(
+    client: &SpiClient<'_>,
+    subscription: &str,
+) -> Option<(String, pg_sys::Oid)> {
     let rows = plans::select(
             client,
             "SELECT pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(p.proname), c.owner \

@@ -32,7 +32,8 @@ const JOBS_MAX: usize = 50;
 #[derive(Copy, Clone)]
 struct InHandler {
     /// 0: none; 1: a sink's batch; 2: a sink's neighbour test; 3: a subscription's jobs; 4: an
-    /// each schedule's query; 5: a sink's replayed dead letter.
+    /// each schedule's query; 5: a sink's replayed dead letter; 6: a subscription's matches run
+    /// in its fan-out pass.
     kind: u8,
     name: [u8; 64],
     name_len: u8,
@@ -70,6 +71,8 @@ pub(crate) enum Target<'a> {
         subscription: &'a str,
         ids: &'a [i64],
     },
+    /// A subscription's matches run in the fan-out pass that found them (`dispatch::fanout`).
+    Inline { subscription: &'a str },
     /// The query of an each schedule.
     Schedule { name: &'a str },
     /// A dead letter replayed to a sink.
@@ -87,6 +90,9 @@ pub(crate) enum Hung {
     Jobs {
         subscription: String,
         ids: Vec<i64>,
+    },
+    Inline {
+        subscription: String,
     },
     Schedule {
         name: String,
@@ -239,6 +245,9 @@ const HTTP_LEASES: usize = 512;
 const HTTP_LEASES_PER_DATABASE: usize = 128;
 /// Jobs remembered as suspects (see `mark_suspects`), cluster-wide; the oldest are forgotten.
 const SUSPECTS: usize = 1024;
+/// Subscriptions whose matches no longer run in the fan-out pass (see `queue_only`),
+/// cluster-wide; the oldest are forgotten.
+const QUEUE_ONLY: usize = 64;
 
 #[derive(Copy, Clone)]
 pub struct WorkerTable {
@@ -256,6 +265,9 @@ pub struct WorkerTable {
     /// (database, job id) of jobs whose batch ended its worker: they run one by one from then on.
     suspects: [(u32, i64); SUSPECTS],
     suspects_next: usize,
+    /// (database, hash of the name) of subscriptions whose handler hung in a fan-out pass.
+    queue_only: [(u32, u64); QUEUE_ONLY],
+    queue_only_next: usize,
     /// Queues that committed transactions gave jobs to claim, for a worker of their database to
     /// NOTIFY (see `announce_at_commit`).
     announced: [Announced; ANNOUNCED],
@@ -373,6 +385,8 @@ impl Default for WorkerTable {
             http_leases: [HttpLease::default(); HTTP_LEASES],
             suspects: [(0, 0); SUSPECTS],
             suspects_next: 0,
+            queue_only: [(0, 0); QUEUE_ONLY],
+            queue_only_next: 0,
             announced: [Announced::default(); ANNOUNCED],
             interest_generation: 0,
         }
@@ -406,6 +420,36 @@ pub(crate) fn any_suspect(ids: &[i64]) -> bool {
         .suspects
         .iter()
         .any(|&(db, id)| db == database && id != 0 && ids.contains(&id))
+}
+
+/// A subscription's handler hung in the fan-out pass that ran its matches (see
+/// `dispatch::fanout`): from now on its matches are written as jobs, whose runner finds the one
+/// that hangs and counts it (`dispatch::jobs::after_hang`), instead of the pass hanging again on
+/// the same window. Shared by every worker; forgotten at a restart of the server.
+pub(crate) fn queue_only(subscription: &str) {
+    let key = (my_database(), name_hash(subscription));
+    let mut table = WORKERS.exclusive();
+    if !table.queue_only.contains(&key) {
+        let at = table.queue_only_next % QUEUE_ONLY;
+        table.queue_only[at] = key;
+        table.queue_only_next = table.queue_only_next.wrapping_add(1);
+    }
+}
+
+/// Whether `subscription`'s matches may run in its fan-out pass (see `queue_only`).
+pub(crate) fn runs_inline(subscription: &str) -> bool {
+    let table = WORKERS.share();
+    table.queue_only_next == 0
+        || !table
+            .queue_only
+            .contains(&(my_database(), name_hash(subscription)))
+}
+
+/// FNV-1a of `name` (a collision only sends another subscription's matches to its queue).
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    }) | 1
 }
 
 /// Takes the lease of HTTP sink `key` for this worker, across transactions, without waiting.
@@ -837,6 +881,10 @@ impl HandlerRunning {
                         let n = ids.len().min(JOBS_MAX);
                         h.jobs[..n].copy_from_slice(&ids[..n]);
                         h.jobs_len = n as u8;
+                        subscription
+                    }
+                    Target::Inline { subscription } => {
+                        h.kind = 6;
                         subscription
                     }
                     Target::Schedule { name } => {
@@ -1437,6 +1485,7 @@ pub(crate) fn slot_started(slot: usize) -> Option<Hung> {
                 },
                 4 => Hung::Schedule { name },
                 5 => Hung::Replay { sink: name },
+                6 => Hung::Inline { subscription: name },
                 kind => Hung::Sink {
                     id: name,
                     neighbour: kind == 2,

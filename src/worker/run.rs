@@ -150,6 +150,10 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
                 crate::dispatch::jobs::after_hang(subscription, ids);
                 Ok(())
             }
+            super::Hung::Inline { subscription } => {
+                super::queue_only(subscription);
+                Ok(())
+            }
             super::Hung::Schedule { name } => {
                 crate::schedule::after_hang(name);
                 Ok(())

@@ -1031,6 +1031,14 @@ fn a_job_handler_that_never_stops_dies_alone_and_its_batch_goes_through() {
         .unwrap()
         .get(0);
     assert!(error.contains("sink_timeout"), "{error}");
+    // It hung first in the fan-out pass that ran the batch at once; from then on the
+    // subscription's matches were queued, and the job runner found the one that hangs.
+    let log = db.cluster().log();
+    assert!(
+        log.contains("Inline { subscription: \"points\" }")
+            && log.contains("Jobs { subscription: \"points\""),
+        "{log}"
+    );
 }
 
 #[test]

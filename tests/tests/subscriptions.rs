@@ -515,3 +515,121 @@ fn unsubscribe_drops_handler_jobs_but_not_queued_ones_and_pause_holds_jobs() {
         "jobs queued for external workers stay"
     );
 }
+
+/// Records every job row written (by a trigger the test puts on outbox.jobs): which
+/// subscription's matches were queued as jobs rather than run in the pass that found them.
+const WRITTEN: &str = "
+    CREATE TABLE written (subscription text);
+    CREATE FUNCTION note_written() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN INSERT INTO public.written VALUES (NEW.subscription); RETURN NULL; END $$;
+    CREATE TRIGGER note_written AFTER INSERT ON outbox.jobs FOR EACH ROW EXECUTE FUNCTION note_written();";
+
+#[test]
+fn a_handler_runs_its_matches_in_the_pass_that_finds_them_and_only_failures_become_jobs() {
+    let db = worker_db("sub_inline");
+    let mut c = db.connect();
+    let owner = format!("job_owner_{}", db.name);
+    c.batch_execute(&EFFECTS.replace("job_owner", &owner))
+        .unwrap();
+    c.batch_execute(WRITTEN).unwrap();
+    // A second handler at the same cursor (one pass serves both), which never fails.
+    c.batch_execute(&format!(
+        "CREATE FUNCTION apply_twin(e outbox.event) RETURNS void LANGUAGE sql AS
+           $$ INSERT INTO effects (n) VALUES (1000000 + (e.payload->>'n')::int8) $$;
+         ALTER FUNCTION apply_twin(outbox.event) OWNER TO {owner};
+         SET ROLE {owner};
+         SELECT outbox.subscribe('apply', '{{work.*}}', handler => 'apply_event(outbox.event)',
+                                 filter => 'payload.n >= 0');
+         SELECT outbox.subscribe('twin', '{{work.*}}', handler => 'apply_twin(outbox.event)');
+         RESET ROLE;"
+    ))
+    .unwrap();
+    // 1,000 events in one transaction (one window), interleaved with others; every 97th fails
+    // in `apply` while flaky is on.
+    c.batch_execute(
+        "BEGIN;
+         SELECT outbox.raise(CASE WHEN n % 10 = 0 THEN 'other' ELSE 'work.item' END,
+                             jsonb_build_object('n', n)) FROM generate_series(1, 1111) n;
+         COMMIT;",
+    )
+    .unwrap();
+    let work = (1..=1111).filter(|n| n % 10 != 0).count() as i64;
+    let flaky = (1..=1111).filter(|n| n % 10 != 0 && n % 97 == 0).count() as i64;
+    eventually("the twin's matches to run", Duration::from_secs(60), || {
+        (count(&mut c, "SELECT count(*) FROM effects WHERE n > 1000000") == work).then_some(())
+    });
+    eventually(
+        "the rest of apply's matches to run, its failures to retry",
+        Duration::from_secs(60),
+        || {
+            let ran = count(&mut c, "SELECT count(*) FROM effects WHERE n < 1000000");
+            let retrying = count(
+                &mut c,
+                "SELECT count(*) FROM outbox.jobs WHERE subscription = 'apply' AND attempts > 0",
+            );
+            (ran == work - flaky && retrying == flaky).then_some(())
+        },
+    );
+    // The twin wrote no job at all; apply wrote its failures as jobs, and with them the rest of
+    // the batch each failure was in, but not every match.
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM written WHERE subscription = 'twin'"
+        ),
+        0,
+        "matches that ran in the pass are never written as jobs"
+    );
+    let queued = count(
+        &mut c,
+        "SELECT count(*) FROM written WHERE subscription = 'apply'",
+    );
+    assert!(
+        (flaky..work).contains(&queued),
+        "{queued} of {work} matches queued"
+    );
+    c.batch_execute("UPDATE flaky SET on_ = false").unwrap();
+    eventually("every job to run", Duration::from_secs(60), || {
+        (count(&mut c, "SELECT count(*) FROM outbox.jobs") == 0).then_some(())
+    });
+    let row = c
+        .query_one(
+            "SELECT count(*), count(DISTINCT n), bool_and(by_role = $1) FROM effects",
+            &[&owner],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), 2 * work, "each effect exactly once");
+    assert_eq!(row.get::<_, i64>(1), 2 * work);
+    assert!(row.get::<_, bool>(2), "the handlers run as their owner");
+}
+
+#[test]
+fn a_slow_handler_runs_only_its_first_matches_in_the_pass_and_queues_the_rest() {
+    let db = worker_db("sub_inline_slow");
+    let mut c = db.connect();
+    let owner = format!("job_owner_{}", db.name);
+    c.batch_execute(&EFFECTS.replace("job_owner", &owner))
+        .unwrap();
+    c.batch_execute(WRITTEN).unwrap();
+    c.batch_execute(&format!(
+        "CREATE FUNCTION apply_slowly(e outbox.event) RETURNS void LANGUAGE sql AS
+           $$ SELECT pg_sleep(0.01); INSERT INTO effects (n) VALUES ((e.payload->>'n')::int8) $$;
+         ALTER FUNCTION apply_slowly(outbox.event) OWNER TO {owner};
+         SET ROLE {owner};
+         SELECT outbox.subscribe('slow', NULL, handler => 'apply_slowly(outbox.event)');
+         RESET ROLE;
+         SELECT outbox.raise('t', jsonb_build_object('n', n)) FROM generate_series(1, 200) n;"
+    ))
+    .unwrap();
+    eventually("every match to run", Duration::from_secs(60), || {
+        (count(&mut c, "SELECT count(*) FROM effects") == 200).then_some(())
+    });
+    assert_eq!(count(&mut c, "SELECT count(DISTINCT n) FROM effects"), 200);
+    // At 10 ms a match, the pass's 100 ms run a few of them; the rest were written as jobs, for
+    // the job runners of every worker.
+    let queued = count(&mut c, "SELECT count(*) FROM written");
+    assert!((150..200).contains(&queued), "{queued} of 200 queued");
+    eventually("the jobs to be gone", Duration::from_secs(30), || {
+        (count(&mut c, "SELECT count(*) FROM outbox.jobs") == 0).then_some(())
+    });
+}

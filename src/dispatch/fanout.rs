@@ -68,9 +68,9 @@ struct Subscription {
     /// The last event it was evaluated on, once its filter used up its time for this pass: its
     /// cursor moves only that far, and the rest of the window waits for its next pass.
     stopped_at: Option<String>,
-    /// A subscription with a handler: its matches in this window (position, seq), to run in
-    /// this pass (`run_inline`) rather than be written as jobs. None: they are written as jobs.
-    inline: Option<Vec<(String, i64)>>,
+    /// A subscription with a handler: its matches in this window, to run in this pass
+    /// (`run_inline`) rather than be written as jobs. None: they are written as jobs.
+    inline: Option<Vec<Match>>,
 }
 
 /// The time one subscription's filter may take in one pass. Every subscription at the same cursor
@@ -175,11 +175,16 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
 }
 
 /// The window: each event's position and topic, and the fields the filters read ($4..$8 say
-/// which: subject, tenant, payload, headers, raised_at).
+/// which: subject, tenant, payload, headers, raised_at); with $10, the event as an outbox.event
+/// for the handlers that run their matches in the pass (read once here, not again by key), and
+/// that type's oid.
 const WINDOW_SQL: &str = "\
     SELECT r.position, r.topic, CASE WHEN $4 THEN r.subject END, CASE WHEN $5 THEN r.tenant END, \
            CASE WHEN $6 THEN r.payload::text END, CASE WHEN $7 THEN r.headers::text END, \
-           CASE WHEN $8 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END \
+           CASE WHEN $8 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END, \
+           CASE WHEN $10 THEN ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, \
+                                 r.raised_at)::outbox.event END, \
+           'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
       FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $9) r";
 
 /// Writes one job per (subscription, event) pair the filters matched: the event as the payload,
@@ -203,6 +208,14 @@ const INSERT_SQL: &str = "\
        AND e.seq OPERATOR(pg_catalog.=) m.seq \
      ORDER BY m.n \
     ON CONFLICT (queue, subscription, event) WHERE subscription IS NOT NULL AND state = 'waiting' DO NOTHING";
+
+/// A match to run in the pass: its position, seq, and the event as an outbox.event datum of the
+/// window's rows (alive until the pass's SPI connection ends).
+struct Match {
+    position: String,
+    seq: i64,
+    event: pg_sys::Datum,
+}
 
 /// What a filter made of a window.
 #[derive(Default)]
@@ -296,9 +309,11 @@ fn fan_out(
             DatumWithOid::from(needs[3]),
             DatumWithOid::from(needs[4]),
             DatumWithOid::from(crate::settings::MAX_BATCH_BYTES.get() as i64),
+            DatumWithOid::from(group.iter().any(|s| s.inline.is_some())),
         ],
     )
     .expect("reading a fan-out window");
+    let mut event_type = pg_sys::InvalidOid;
     let count = rows.len();
     // The matches, as parallel arrays for INSERT_SQL, in the order of the window (then of the
     // group, which is by name).
@@ -366,7 +381,17 @@ fn fan_out(
                 Ok(true) => {
                     sub.verdicts.matches += 1;
                     if let Some(inline) = sub.inline.as_mut() {
-                        inline.push((position.clone(), seq_of(&position)));
+                        inline.push(Match {
+                            position: position.clone(),
+                            seq: seq_of(&position),
+                            // The datum in the window's rows (not copied).
+                            event: row
+                                .get::<pgrx::AnyElement>(8)
+                                .unwrap()
+                                .expect("the event, read for inline handlers")
+                                .datum(),
+                        });
+                        event_type = row.get(9).unwrap().expect("outbox.event");
                         continue;
                     }
                     subs.push(sub.name.clone());
@@ -392,14 +417,14 @@ fn fan_out(
         let Some(inline) = sub.inline.take() else {
             continue;
         };
-        let ran = run_inline(client, sub, &inline, calls_left);
-        for (position, seq) in inline.into_iter().skip(ran) {
+        let ran = run_inline(client, sub, &inline, event_type, calls_left);
+        for m in inline.into_iter().skip(ran) {
             subs.push(sub.name.clone());
             queues.push(sub.queue.clone());
             handlers.push(sub.handler);
             attempts.push(sub.max_attempts);
-            positions.push(position);
-            seqs.push(seq);
+            positions.push(m.position);
+            seqs.push(m.seq);
         }
     }
     let matched = group.iter().map(|s| s.verdicts.matches as usize).sum();
@@ -494,34 +519,48 @@ const INLINE_BUDGET: std::time::Duration = std::time::Duration::from_millis(100)
 /// within the cache every backend keeps (64), so nobody's snapshots overflow to pg_subtrans.
 const INLINE_CALLS: usize = 32;
 
-/// The matched events of `positions` (position, seq) as one outbox.event[] datum, in that order,
-/// and that type's oid; the events whose job for this subscription still waits (a cursor moved
-/// back by hand) are left out, as the job INSERT's ON CONFLICT leaves them. Read as the worker,
-/// before the handler runs as the subscription's owner.
-const INLINE_EVENTS_SQL: &str = "\
-    SELECT pg_catalog.array_agg(ROW(e.id, m.position, e.topic, e.subject, e.tenant, e.payload, e.headers, \
-                                    e.raised_at)::outbox.event ORDER BY m.n), \
-           'outbox.event[]'::pg_catalog.regtype::pg_catalog.oid \
-      FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::int8[])) WITH ORDINALITY \
-           AS m(position, seq, n) \
-      JOIN outbox.events e \
-        ON e.txid OPERATOR(pg_catalog.=) pg_catalog.split_part(m.position, ':', 1)::pg_catalog.xid8 \
-       AND e.seq OPERATOR(pg_catalog.=) m.seq \
-     WHERE NOT EXISTS (SELECT FROM outbox.jobs j \
-                        WHERE j.queue OPERATOR(pg_catalog.=) $3 AND j.subscription OPERATOR(pg_catalog.=) $4 \
-                          AND j.event OPERATOR(pg_catalog.=) e.id AND j.state OPERATOR(pg_catalog.=) 'waiting')";
+/// Which of the events of `$3` (an outbox.event[]) have a job of subscription `$2` on queue `$1`
+/// still waiting (a cursor moved back by hand): their ordinals, left out of a handler call as
+/// the job INSERT's ON CONFLICT leaves them out of the queue.
+const WAITING_SQL: &str = "\
+    SELECT pg_catalog.array_agg(e.n) \
+      FROM pg_catalog.unnest($3::outbox.event[]) WITH ORDINALITY \
+           AS e(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
+     WHERE EXISTS (SELECT FROM outbox.jobs j \
+                    WHERE j.queue OPERATOR(pg_catalog.=) $1 AND j.subscription OPERATOR(pg_catalog.=) $2 \
+                      AND j.event OPERATOR(pg_catalog.=) e.id AND j.state OPERATOR(pg_catalog.=) 'waiting')";
+
+/// An outbox.event[] of `events` (outbox.event datums), in the SPI connection's memory.
+fn event_array(events: &[pg_sys::Datum], event_type: pg_sys::Oid) -> pg_sys::Datum {
+    let mut elems = events.to_vec();
+    // SAFETY: `elems` are outbox.event datums (composites: varlena, double-aligned) alive in this
+    // SPI connection; construct_array copies them into an array palloc'd in the current context.
+    let array = unsafe {
+        pg_sys::construct_array(
+            elems.as_mut_ptr(),
+            elems.len() as i32,
+            event_type,
+            -1,
+            false,
+            pg_sys::TYPALIGN_DOUBLE as std::ffi::c_char,
+        )
+    };
+    pg_sys::Datum::from(array)
+}
 
 /// Runs `sub`'s handler on its `matches` (in window order), as its owner, in batches (see
-/// [`INLINE_BATCH`]), each in a subtransaction of the pass's transaction: the handler's
-/// writes commit with the cursor move, as a job's commit with the job's removal, so a match that
-/// ran is never written as a job. Stops at the first batch that fails (its effects are rolled
-/// back) or once [`INLINE_BUDGET`] is spent. Returns how many of `matches` went through; the
-/// rest become jobs, so a failing event gets its attempts, back-off and dead state from the job
-/// runner (`dispatch::jobs`), exactly as if it had been queued.
+/// [`INLINE_BATCH`]), each in a subtransaction of the pass's transaction: the handler's writes
+/// commit with the cursor move, as a job's commit with the job's removal, so a match that ran is
+/// never written as a job. Stops at the first batch that fails (its effects are rolled back),
+/// once [`INLINE_BUDGET`] is spent, or when the pass has made [`INLINE_CALLS`] calls. Returns how
+/// many of `matches` went through (or had a job waiting already); the rest become jobs, so a
+/// failing event gets its attempts, back-off and dead state from the job runner
+/// (`dispatch::jobs`), exactly as if it had been queued.
 fn run_inline(
     client: &mut SpiClient<'_>,
     sub: &Subscription,
-    matches: &[(String, i64)],
+    matches: &[Match],
+    event_type: pg_sys::Oid,
     calls_left: &mut usize,
 ) -> usize {
     if matches.is_empty() || *calls_left == 0 {
@@ -530,6 +569,24 @@ fn run_inline(
     let Some((call, owner)) = super::jobs::handler_of(client, &sub.name) else {
         return 0;
     };
+    // Jobs of this subscription wait only after a failure or a rewind: look for them event by
+    // event only then.
+    let any_waiting = plans::select(
+        client,
+        "SELECT EXISTS (SELECT FROM outbox.jobs j \
+                         WHERE j.queue OPERATOR(pg_catalog.=) $1 AND j.subscription OPERATOR(pg_catalog.=) $2 \
+                           AND j.event IS NOT NULL AND j.state OPERATOR(pg_catalog.=) 'waiting')",
+        Some(1),
+        &[
+            DatumWithOid::from(sub.queue.as_str()),
+            DatumWithOid::from(sub.name.as_str()),
+        ],
+    )
+    .and_then(|t| t.first().get_one::<bool>())
+    .expect("looking for a subscription's waiting jobs")
+    .unwrap_or(true);
+    // SAFETY: the array type of outbox.event, whose oid the window read.
+    let array_type = unsafe { pg_sys::get_array_type(event_type) };
     let sql = format!("SELECT {call}(e) FROM pg_catalog.unnest($1::outbox.event[]) e");
     let started = std::time::Instant::now();
     let (mut ran, mut size) = (0, INLINE_FIRST);
@@ -537,26 +594,32 @@ fn run_inline(
         *calls_left -= 1;
         let batch = &matches[ran..matches.len().min(ran + size)];
         let call_started = std::time::Instant::now();
-        let (positions, seqs): (Vec<&str>, Vec<i64>) =
-            batch.iter().map(|(p, s)| (p.as_str(), *s)).unzip();
-        let table = plans::select(
-            client,
-            INLINE_EVENTS_SQL,
-            Some(1),
-            &[
-                DatumWithOid::from(positions),
-                DatumWithOid::from(seqs),
-                DatumWithOid::from(sub.queue.as_str()),
-                DatumWithOid::from(sub.name.as_str()),
-            ],
-        )
-        .expect("reading the events of a subscription's matches");
-        let row = table.first();
-        let events = row.get_datum_by_ordinal(1).expect("events");
-        let event_array: pg_sys::Oid = row.get(2).expect("type").expect("outbox.event[]");
-        if let Some(events) = events {
-            // SAFETY: an outbox.event[] read in this SPI connection, still alive.
-            let arg = unsafe { DatumWithOid::new(events, event_array) };
+        let mut events: Vec<pg_sys::Datum> = batch.iter().map(|m| m.event).collect();
+        if any_waiting {
+            // SAFETY: an outbox.event[] built in this SPI connection, still alive.
+            let arg = unsafe { DatumWithOid::new(event_array(&events, event_type), array_type) };
+            let waiting: Vec<i64> = plans::select(
+                client,
+                WAITING_SQL,
+                Some(1),
+                &[
+                    DatumWithOid::from(sub.queue.as_str()),
+                    DatumWithOid::from(sub.name.as_str()),
+                    arg,
+                ],
+            )
+            .and_then(|t| t.first().get_one::<Vec<i64>>())
+            .expect("looking for waiting jobs of a subscription's matches")
+            .unwrap_or_default();
+            let mut n = 0i64;
+            events.retain(|_| {
+                n += 1;
+                !waiting.contains(&n)
+            });
+        }
+        if !events.is_empty() {
+            // SAFETY: an outbox.event[] built in this SPI connection, still alive.
+            let arg = unsafe { DatumWithOid::new(event_array(&events, event_type), array_type) };
             let target = crate::worker::Target::Inline {
                 subscription: &sub.name,
             };

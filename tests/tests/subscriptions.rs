@@ -633,3 +633,64 @@ fn a_slow_handler_runs_only_its_first_matches_in_the_pass_and_queues_the_rest() 
         (count(&mut c, "SELECT count(*) FROM outbox.jobs") == 0).then_some(())
     });
 }
+
+#[test]
+fn a_rewound_handler_does_not_run_an_event_whose_job_still_waits() {
+    let db = worker_db("sub_inline_rewind");
+    let mut c = db.connect();
+    let owner = format!("job_owner_{}", db.name);
+    c.batch_execute(&EFFECTS.replace("job_owner", &owner))
+        .unwrap();
+    c.batch_execute(&format!("SET ROLE {owner}")).unwrap();
+    let start: String = c
+        .query_one(
+            "SELECT outbox.subscribe('apply', NULL, handler => 'apply_event(outbox.event)', max_attempts => 100)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    c.batch_execute("RESET ROLE; SELECT outbox.raise('t', jsonb_build_object('n', n)) FROM generate_series(1, 200) n")
+        .unwrap();
+    // 97 and 194 fail while flaky is on: their jobs wait for a retry.
+    eventually(
+        "the others to run, two jobs to wait",
+        Duration::from_secs(30),
+        || {
+            let ran = count(&mut c, "SELECT count(*) FROM effects");
+            let waiting = count(
+                &mut c,
+                "SELECT count(*) FROM outbox.jobs WHERE attempts > 0 AND state = 'waiting'",
+            );
+            (ran == 198 && waiting == 2).then_some(())
+        },
+    );
+    // Their retries held back; the dependency mended; the subscription rewound to its start: the
+    // pass runs every event again but those two, whose jobs still wait.
+    c.batch_execute(
+        "UPDATE outbox.jobs SET run_at = now() + interval '1 hour'; UPDATE flaky SET on_ = false",
+    )
+    .unwrap();
+    c.query_one("SELECT outbox.rewind('apply', $1)", &[&start])
+        .unwrap();
+    eventually(
+        "the rewound pass to run again",
+        Duration::from_secs(30),
+        || (count(&mut c, "SELECT count(*) FROM effects") == 2 * 198).then_some(()),
+    );
+    caught_up(&mut c);
+    assert_eq!(
+        count(&mut c, "SELECT count(*) FROM effects WHERE n IN (97, 194)"),
+        0,
+        "an event whose job waits is left to its job"
+    );
+    c.batch_execute("UPDATE outbox.jobs SET run_at = now()")
+        .unwrap();
+    eventually("the two jobs to run", Duration::from_secs(30), || {
+        (count(&mut c, "SELECT count(*) FROM outbox.jobs") == 0).then_some(())
+    });
+    assert_eq!(
+        count(&mut c, "SELECT count(*) FROM effects WHERE n IN (97, 194)"),
+        2,
+        "once each"
+    );
+}

@@ -8,13 +8,15 @@
 //! jobs per run of the handler.
 
 use pg_outbox_benches::{env_or, head, record, record_ratio, record_x_unit, with_bench_cluster};
-use pg_outbox_tests::eventually;
+use pg_outbox_tests::{eventually, Cluster};
 use postgres::Client;
 use std::time::{Duration, Instant};
 
 const SETUP: &str = "
     CREATE EXTENSION pg_outbox;
     CREATE TABLE done (k bigint);
+    -- The hand-written queue the jobs are measured against: the same payloads, the same work.
+    CREATE TABLE plain_jobs (id bigserial PRIMARY KEY, payload jsonb NOT NULL);
     -- The trivial handler: one row per job.
     CREATE FUNCTION work(e outbox.event) RETURNS void LANGUAGE sql AS $$
         INSERT INTO public.done VALUES ((e.payload->>'k')::bigint)
@@ -173,6 +175,59 @@ fn handler_jobs(c: &mut Client, jobs: i64, fan_out: bool) -> f64 {
     rate
 }
 
+/// The same `jobs` done by a hand-written queue: rows holding the payloads the jobs carry, and two
+/// clients (as many as the workers) that each take up to 128 with FOR UPDATE SKIP LOCKED, insert
+/// one `done` row per job and delete them, in one statement, until the queue is empty. Jobs/s.
+fn skip_locked_jobs(cluster: &Cluster, c: &mut Client, jobs: i64) -> f64 {
+    c.batch_execute("TRUNCATE done, plain_jobs").unwrap();
+    c.execute(
+        "INSERT INTO plain_jobs (payload) \
+         SELECT jsonb_build_object('k', i, 'amount', i % 100, 'currency', 'EUR') FROM generate_series(1, $1::int8) i",
+        &[&jobs],
+    )
+    .unwrap();
+    c.batch_execute("VACUUM ANALYZE plain_jobs").unwrap();
+    c.batch_execute("CHECKPOINT").unwrap();
+    let start = Instant::now();
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let mut c = cluster.connect("bench", "postgres");
+            std::thread::spawn(move || loop {
+                let moved = c
+                    .execute(
+                        "WITH claimed AS ( \
+                             DELETE FROM plain_jobs WHERE id IN ( \
+                                 SELECT id FROM plain_jobs ORDER BY id LIMIT 128 FOR UPDATE SKIP LOCKED) \
+                             RETURNING payload) \
+                         INSERT INTO done SELECT (payload->>'k')::bigint FROM claimed",
+                        &[],
+                    )
+                    .unwrap();
+                if moved == 0 {
+                    return;
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let rate = jobs as f64 / start.elapsed().as_secs_f64();
+    let (ran, distinct): (i64, i64) = {
+        let r = c
+            .query_one("SELECT count(*), count(DISTINCT k) FROM done", &[])
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(
+        (ran, distinct),
+        (jobs, jobs),
+        "the queue ran every job once"
+    );
+    c.batch_execute("TRUNCATE done").unwrap();
+    rate
+}
+
 fn main() {
     let events: i64 = env_or("BENCH_EVENTS", 20_000);
     let jobs: i64 = env_or("BENCH_JOBS", 100_000);
@@ -180,7 +235,7 @@ fn main() {
         // The soak below runs for seconds, not hours: let autovacuum look every 5 s.
         "autovacuum_naptime = '5s'",
     ];
-    with_bench_cluster("pg_outbox_bench_subs", &settings, SETUP, |_, c| {
+    with_bench_cluster("pg_outbox_bench_subs", &settings, SETUP, |cluster, c| {
         let version: String = c.query_one("SHOW server_version", &[]).unwrap().get(0);
         let workers: String = c
             .query_one("SHOW pg_outbox.min_workers", &[])
@@ -223,6 +278,11 @@ fn main() {
         println!("{:<40} {:>12.0}", "already queued", queued);
         let fanned = handler_jobs(c, jobs, true);
         println!("{:<40} {:>12.0}", "fan-out and run, end to end", fanned);
+        let queue = skip_locked_jobs(cluster, c, jobs);
+        println!(
+            "{:<40} {:>12.0}",
+            "SKIP LOCKED queue (128, 2 clients)", queue
+        );
         let title = "Jobs run by the workers through a SQL handler";
         record(
             "handler_jobs",
@@ -240,10 +300,23 @@ fn main() {
             "fan-out and run",
             fanned,
         );
+        record(
+            "handler_jobs",
+            title,
+            "jobs/s",
+            "SKIP LOCKED queue (128, 2 clients)",
+            "fan-out and run",
+            queue,
+        );
         record_ratio(
             "handler jobs per second / 20,000 (target)",
             queued / 20_000.0,
             Some(1.0),
+        );
+        record_ratio(
+            "subscription + SQL handler, end to end / SKIP LOCKED queue (128, 2 clients)",
+            fanned / queue,
+            Some(0.5),
         );
         // Soak: rounds of churn through the handler. Finished jobs are deleted and autovacuum
         // (set on outbox.jobs to run after 10,000 dead rows) lets the space be reused, so the

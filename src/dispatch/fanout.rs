@@ -251,9 +251,12 @@ pub fn pass(names: &[&str]) -> PassResult {
         }
         let (mut matched, mut full) = (0usize, false);
         let mut any = false;
-        let mut calls_left = INLINE_CALLS;
+        let mut budget = InlineBudget {
+            calls: INLINE_CALLS,
+            time: INLINE_BUDGET,
+        };
         for (cursor, mut group) in groups {
-            if let Some((m, f)) = fan_out(client, cursor, &mut group, &mut calls_left) {
+            if let Some((m, f)) = fan_out(client, cursor, &mut group, &mut budget) {
                 any = true;
                 matched += m;
                 full |= f;
@@ -279,7 +282,7 @@ fn fan_out(
     client: &mut SpiClient<'_>,
     cursor: Position,
     group: &mut [Subscription],
-    calls_left: &mut usize,
+    budget: &mut InlineBudget,
 ) -> Option<(usize, bool)> {
     let filters: Vec<&Rc<Filter>> = group
         .iter()
@@ -417,7 +420,7 @@ fn fan_out(
         let Some(inline) = sub.inline.take() else {
             continue;
         };
-        let ran = run_inline(client, sub, &inline, event_type, calls_left);
+        let ran = run_inline(client, sub, &inline, event_type, budget);
         for m in inline.into_iter().skip(ran) {
             subs.push(sub.name.clone());
             queues.push(sub.queue.clone());
@@ -510,14 +513,24 @@ fn fan_out(
 const INLINE_FIRST: usize = 16;
 const INLINE_BATCH: usize = 128;
 
-/// The time a subscription's handler may take in one fan-out pass before the rest of its matches
-/// are written as jobs (which several workers then run side by side): a slow handler holds
+/// The time the handlers of a fan-out pass may take in all: each call runs under what is left
+/// of it (not `sink_timeout`), and the matches it has no time for are written as jobs (which
+/// several workers then run side by side, each call under `sink_timeout`). A slow handler holds
 /// neither the subscriptions that share its pass nor its own matches behind one worker.
 const INLINE_BUDGET: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Handler calls in one pass, each a subtransaction: the transaction's subtransaction ids stay
 /// within the cache every backend keeps (64), so nobody's snapshots overflow to pg_subtrans.
 const INLINE_CALLS: usize = 32;
+
+/// How long a subscription whose handler call overran the pass's time has its matches queued.
+const QUEUED_AFTER_OVERRUN: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// What the handlers of one pass may still take (see [`INLINE_BUDGET`], [`INLINE_CALLS`]).
+struct InlineBudget {
+    calls: usize,
+    time: std::time::Duration,
+}
 
 /// Which of the events of `$3` (an outbox.event[]) have a job of subscription `$2` on queue `$1`
 /// still waiting (a cursor moved back by hand): their ordinals, left out of a handler call as
@@ -551,8 +564,9 @@ fn event_array(events: &[pg_sys::Datum], event_type: pg_sys::Oid) -> pg_sys::Dat
 /// Runs `sub`'s handler on its `matches` (in window order), as its owner, in batches (see
 /// [`INLINE_BATCH`]), each in a subtransaction of the pass's transaction: the handler's writes
 /// commit with the cursor move, as a job's commit with the job's removal, so a match that ran is
-/// never written as a job. Stops at the first batch that fails (its effects are rolled back),
-/// once [`INLINE_BUDGET`] is spent, or when the pass has made [`INLINE_CALLS`] calls. Returns how
+/// never written as a job. Stops at the first batch that fails (its effects are rolled back), or
+/// once the pass's `budget` is spent; a call that overran it has the subscription's matches
+/// queued for a while ([`QUEUED_AFTER_OVERRUN`]). Returns how
 /// many of `matches` went through (or had a job waiting already); the rest become jobs, so a
 /// failing event gets its attempts, back-off and dead state from the job runner
 /// (`dispatch::jobs`), exactly as if it had been queued.
@@ -561,9 +575,9 @@ fn run_inline(
     sub: &Subscription,
     matches: &[Match],
     event_type: pg_sys::Oid,
-    calls_left: &mut usize,
+    budget: &mut InlineBudget,
 ) -> usize {
-    if matches.is_empty() || *calls_left == 0 {
+    if matches.is_empty() || budget.calls == 0 || budget.time.is_zero() {
         return 0;
     }
     let Some((call, owner)) = super::jobs::handler_of(client, &sub.name) else {
@@ -588,10 +602,9 @@ fn run_inline(
     // SAFETY: the array type of outbox.event, whose oid the window read.
     let array_type = unsafe { pg_sys::get_array_type(event_type) };
     let sql = format!("SELECT {call}(e) FROM pg_catalog.unnest($1::outbox.event[]) e");
-    let started = std::time::Instant::now();
     let (mut ran, mut size) = (0, INLINE_FIRST);
-    while ran < matches.len() && *calls_left > 0 {
-        *calls_left -= 1;
+    while ran < matches.len() && budget.calls > 0 && budget.time.as_millis() >= 1 {
+        budget.calls -= 1;
         let batch = &matches[ran..matches.len().min(ran + size)];
         let call_started = std::time::Instant::now();
         let mut events: Vec<pg_sys::Datum> = batch.iter().map(|m| m.event).collect();
@@ -623,25 +636,38 @@ fn run_inline(
             let target = crate::worker::Target::Inline {
                 subscription: &sub.name,
             };
-            let called = super::as_handler_owner(owner, target, || {
+            let timeout = (budget.time.as_millis().min(i32::MAX as u128) as i32)
+                .min(crate::settings::SINK_TIMEOUT_MS.get());
+            let called = super::as_handler_owner_within(owner, target, timeout, || {
                 plans::call(client, &sql, &[arg])
                     .map(|_| ())
                     .unwrap_or_else(|e| panic!("{e}"));
             });
+            budget.time = budget.time.saturating_sub(call_started.elapsed());
             if let Err(failure) = called {
                 pgrx::log!(
                     "pg_outbox: subscription \"{}\": its handler failed on a batch of {} match(es), queued as jobs: {failure}",
                     sub.name,
                     batch.len()
                 );
+                if failure.sqlstate == "57014" {
+                    crate::worker::queue_only(&sub.name, Some(QUEUED_AFTER_OVERRUN));
+                }
                 break;
             }
+            // (A handler cannot leave a deferred trigger to fire at this transaction's commit,
+            // as the worker: PostgreSQL refuses to queue one in a security-restricted operation.
+            // A SET CONSTRAINTS ALL DEFERRED in it does outlive the call, and makes the
+            // deferrable constraints of handlers after it in this pass fail likewise: their
+            // matches then go to the job runner, which runs each subscription alone.)
+        } else {
+            budget.time = budget.time.saturating_sub(call_started.elapsed());
         }
         ran += batch.len();
         // The next call, at this one's pace, must end within the budget.
         let per_match = call_started.elapsed() / batch.len() as u32;
         let next = (size * 2).min(INLINE_BATCH);
-        let left = INLINE_BUDGET.saturating_sub(started.elapsed());
+        let left = budget.time;
         if per_match * next.min(matches.len() - ran) as u32 > left {
             size = (left.as_nanos() / per_match.as_nanos().max(1)) as usize;
             if size == 0 {

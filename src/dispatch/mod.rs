@@ -501,6 +501,16 @@ pub(crate) fn as_handler_owner<R>(
     target: crate::worker::Target<'_>,
     f: impl FnOnce() -> R,
 ) -> Result<R, Failure> {
+    as_handler_owner_within(owner, target, settings::SINK_TIMEOUT_MS.get(), f)
+}
+
+/// [`as_handler_owner`], with `timeout_ms` in place of `pg_outbox.sink_timeout`.
+pub(crate) fn as_handler_owner_within<R>(
+    owner: pg_sys::Oid,
+    target: crate::worker::Target<'_>,
+    timeout_ms: i32,
+    f: impl FnOnce() -> R,
+) -> Result<R, Failure> {
     in_subtransaction(|| {
         let (mut user, mut context) = (pg_sys::InvalidOid, 0i32);
         // SAFETY: the subtransaction's end restores the user if the handler raises. The timeout
@@ -513,10 +523,10 @@ pub(crate) fn as_handler_owner<R>(
                     | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
                     | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
             );
-            enable_timeout_after(STATEMENT_TIMEOUT, settings::SINK_TIMEOUT_MS.get());
+            enable_timeout_after(STATEMENT_TIMEOUT, timeout_ms);
             // A handler may catch the cancel: after a grace the worker itself is ended.
             if let Some(hard) = crate::worker::hard_timeout_id() {
-                let timeout = settings::SINK_TIMEOUT_MS.get();
+                let timeout = timeout_ms;
                 enable_timeout_after(
                     hard,
                     timeout.saturating_add(timeout.min(HARD_TIMEOUT_GRACE_MS)),

@@ -21,6 +21,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 const ERROR_BYTES: usize = 200;
+/// `InHandler::kind` of a handler call in a fan-out pass.
+const INLINE: u8 = 6;
 /// Job ids one handler call can hold: dispatch::jobs::BATCH.
 const JOBS_MAX: usize = 50;
 
@@ -219,10 +221,12 @@ impl Slot {
         self.handler.kind != 0
     }
 
-    /// The handler it was running outlived `sink_timeout`: the worker was ended inside it.
+    /// The handler it was running outlived `sink_timeout` (a fan-out pass's handler call, its
+    /// shorter time: any exit inside one): the worker was ended inside it.
     fn hung(&self) -> bool {
         self.in_handler()
-            && (now() - self.handler.since) / 1000 >= settings::SINK_TIMEOUT_MS.get() as i64
+            && (self.handler.kind == INLINE
+                || (now() - self.handler.since) / 1000 >= settings::SINK_TIMEOUT_MS.get() as i64)
     }
 }
 
@@ -247,7 +251,7 @@ const HTTP_LEASES_PER_DATABASE: usize = 128;
 const SUSPECTS: usize = 1024;
 /// Subscriptions whose matches no longer run in the fan-out pass (see `queue_only`),
 /// cluster-wide; the oldest are forgotten.
-const QUEUE_ONLY: usize = 64;
+const QUEUE_ONLY: usize = 256;
 
 #[derive(Copy, Clone)]
 pub struct WorkerTable {
@@ -265,9 +269,11 @@ pub struct WorkerTable {
     /// (database, job id) of jobs whose batch ended its worker: they run one by one from then on.
     suspects: [(u32, i64); SUSPECTS],
     suspects_next: usize,
-    /// (database, hash of the name) of subscriptions whose handler hung in a fan-out pass.
-    queue_only: [(u32, u64); QUEUE_ONLY],
-    queue_only_next: usize,
+    /// (database, hash of the name, until when) of subscriptions whose handler hung or overran
+    /// in a fan-out pass (see `queue_only`).
+    queue_only: [(u32, u64, i64); QUEUE_ONLY],
+    /// More of them than `queue_only` holds: no subscription runs its matches in the pass.
+    queue_only_full: bool,
     /// Queues that committed transactions gave jobs to claim, for a worker of their database to
     /// NOTIFY (see `announce_at_commit`).
     announced: [Announced; ANNOUNCED],
@@ -385,8 +391,8 @@ impl Default for WorkerTable {
             http_leases: [HttpLease::default(); HTTP_LEASES],
             suspects: [(0, 0); SUSPECTS],
             suspects_next: 0,
-            queue_only: [(0, 0); QUEUE_ONLY],
-            queue_only_next: 0,
+            queue_only: [(0, 0, 0); QUEUE_ONLY],
+            queue_only_full: false,
             announced: [Announced::default(); ANNOUNCED],
             interest_generation: 0,
         }
@@ -422,27 +428,50 @@ pub(crate) fn any_suspect(ids: &[i64]) -> bool {
         .any(|&(db, id)| db == database && id != 0 && ids.contains(&id))
 }
 
-/// A subscription's handler hung in the fan-out pass that ran its matches (see
-/// `dispatch::fanout`): from now on its matches are written as jobs, whose runner finds the one
-/// that hangs and counts it (`dispatch::jobs::after_hang`), instead of the pass hanging again on
-/// the same window. Shared by every worker; forgotten at a restart of the server.
-pub(crate) fn queue_only(subscription: &str) {
-    let key = (my_database(), name_hash(subscription));
-    let mut table = WORKERS.exclusive();
-    if !table.queue_only.contains(&key) {
-        let at = table.queue_only_next % QUEUE_ONLY;
-        table.queue_only[at] = key;
-        table.queue_only_next = table.queue_only_next.wrapping_add(1);
+/// A subscription's handler hung or overran its time in the fan-out pass that ran its matches
+/// (see `dispatch::fanout`): for `how_long` (None: until the server restarts) its matches are
+/// written as jobs, whose runner gives the handler `sink_timeout` and finds the one event that
+/// hangs (`dispatch::jobs::after_hang`), instead of the pass stalling again on the same window.
+/// Shared by every worker.
+pub(crate) fn queue_only(subscription: &str, how_long: Option<Duration>) {
+    let until = how_long.map_or(i64::MAX, |d| {
+        now().saturating_add(d.as_micros().min(i64::MAX as u128) as i64)
+    });
+    mark_queue_only(
+        &mut WORKERS.exclusive(),
+        my_database(),
+        name_hash(subscription),
+        until,
+    );
+}
+
+fn mark_queue_only(table: &mut WorkerTable, database: u32, hash: u64, until: i64) {
+    let now = now();
+    if let Some(e) = table
+        .queue_only
+        .iter_mut()
+        .find(|e| (e.0, e.1) == (database, hash))
+    {
+        e.2 = e.2.max(until);
+    } else if let Some(e) = table.queue_only.iter_mut().find(|e| e.2 <= now) {
+        *e = (database, hash, until);
+    } else {
+        // Never forget one (it would hang again): rather, no subscription runs in the pass.
+        table.queue_only_full = true;
     }
 }
 
 /// Whether `subscription`'s matches may run in its fan-out pass (see `queue_only`).
 pub(crate) fn runs_inline(subscription: &str) -> bool {
     let table = WORKERS.share();
-    table.queue_only_next == 0
-        || !table
-            .queue_only
-            .contains(&(my_database(), name_hash(subscription)))
+    if table.queue_only_full {
+        return false;
+    }
+    let (database, hash, now) = (my_database(), name_hash(subscription), now());
+    !table
+        .queue_only
+        .iter()
+        .any(|e| (e.0, e.1) == (database, hash) && e.2 > now)
 }
 
 /// FNV-1a of `name` (a collision only sends another subscription's matches to its queue).
@@ -854,7 +883,7 @@ static MY_SLOT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize:
 
 /// Marks a tenant's handler as running while alive: SIGTERM then ends the worker at once, and
 /// the worker's slot says what the handler works on (see `InHandler`).
-pub(crate) struct HandlerRunning;
+pub(crate) struct HandlerRunning(bool);
 
 impl HandlerRunning {
     pub(crate) fn enter(target: Target<'_>) -> HandlerRunning {
@@ -884,7 +913,7 @@ impl HandlerRunning {
                         subscription
                     }
                     Target::Inline { subscription } => {
-                        h.kind = 6;
+                        h.kind = INLINE;
                         subscription
                     }
                     Target::Schedule { name } => {
@@ -915,17 +944,19 @@ impl HandlerRunning {
                 wake_launcher(&table);
             }
         });
-        IN_HANDLER.store(true, Ordering::SeqCst);
+        // Restored when it ends: a handler called inside other tenant code (a fan-out pass's
+        // filters) leaves that marked.
+        let outer = IN_HANDLER.swap(true, Ordering::SeqCst);
         if STOP.load(Ordering::SeqCst) {
             die_at_next_interrupt_check();
         }
-        HandlerRunning
+        HandlerRunning(outer)
     }
 }
 
 impl Drop for HandlerRunning {
     fn drop(&mut self) {
-        IN_HANDLER.store(false, Ordering::SeqCst);
+        IN_HANDLER.store(self.0, Ordering::SeqCst);
         let slot = MY_SLOT.load(Ordering::Relaxed);
         if slot != usize::MAX {
             with_slot(slot, |s| s.handler.kind = 0);
@@ -1453,6 +1484,14 @@ pub(crate) fn slot_database(slot: usize) -> u32 {
 unsafe extern "C-unwind" fn on_worker_exit(_code: std::ffi::c_int, arg: pg_sys::Datum) {
     let slot = arg.value();
     let mut table = WORKERS.exclusive();
+    // Ended inside a fan-out pass's handler call: no other worker runs that handler in a pass
+    // while this one's successor is started (it records the same).
+    if let Some(s) = table.slots.get(slot).filter(|s| s.handler.kind == INLINE) {
+        let h = s.handler;
+        let hash = name_hash(&String::from_utf8_lossy(&h.name[..h.name_len as usize]));
+        let database = s.database;
+        mark_queue_only(&mut table, database, hash, i64::MAX);
+    }
     if let Some(s) = table.slots.get_mut(slot) {
         s.state = EXITED;
         s.proc_ptr = 0;
@@ -1485,7 +1524,7 @@ pub(crate) fn slot_started(slot: usize) -> Option<Hung> {
                 },
                 4 => Hung::Schedule { name },
                 5 => Hung::Replay { sink: name },
-                6 => Hung::Inline { subscription: name },
+                INLINE => Hung::Inline { subscription: name },
                 kind => Hung::Sink {
                     id: name,
                     neighbour: kind == 2,

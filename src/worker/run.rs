@@ -151,7 +151,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
                 Ok(())
             }
             super::Hung::Inline { subscription } => {
-                super::queue_only(subscription);
+                super::queue_only(subscription, None);
                 Ok(())
             }
             super::Hung::Schedule { name } => {

@@ -2257,3 +2257,74 @@ fn a_tenant_cannot_lock_the_extensions_relations_against_the_workers() {
     );
     t.rollback().unwrap();
 }
+
+/// A deferred constraint trigger on a table of `role`'s that notes who it runs as, and makes
+/// `role` a superuser if that is one.
+fn plant_deferred_trap(c: &mut Client, role: &str) {
+    c.batch_execute(&format!(
+        "CREATE TABLE {role}.t (n int);
+         CREATE TABLE {role}.who (who text, su text);
+         CREATE FUNCTION {role}.rec() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+           INSERT INTO {role}.who VALUES (current_user, current_setting('is_superuser'));
+           IF current_setting('is_superuser') OPERATOR(pg_catalog.=) 'on' THEN
+             EXECUTE 'ALTER ROLE {role} SUPERUSER';
+           END IF;
+           RETURN NULL; END $$;
+         CREATE CONSTRAINT TRIGGER rec AFTER INSERT ON {role}.t DEFERRABLE INITIALLY DEFERRED
+           FOR EACH ROW EXECUTE FUNCTION {role}.rec();"
+    ))
+    .unwrap();
+}
+
+#[test]
+fn a_deferred_trigger_cannot_be_left_to_fire_at_the_workers_commit() {
+    let db = worker_db("sec_deferred");
+    let mut su = db.connect();
+    let mut shipping = tenant(&db, "shipping", &[SINK_GRANTS]);
+    let mut loyalty = tenant(&db, "loyalty", &[SUBSCRIBER_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    plant_deferred_trap(&mut shipping, "shipping");
+    plant_deferred_trap(&mut loyalty, "loyalty");
+    // A sink, a subscription run in the fan-out pass, and (after that pass's call fails) its
+    // jobs run by the job runner: each handler queues a deferred trigger event.
+    shipping
+        .batch_execute(
+            "CREATE FUNCTION shipping.h(e outbox.event[]) RETURNS void LANGUAGE sql AS
+               $$ INSERT INTO shipping.t SELECT 1 FROM unnest(e) $$;
+             SELECT outbox.create_sink('ship', 'shipping.h(outbox.event[])');",
+        )
+        .unwrap();
+    loyalty
+        .batch_execute(
+            "CREATE FUNCTION loyalty.h(e outbox.event) RETURNS void LANGUAGE sql AS
+               $$ INSERT INTO loyalty.t VALUES (1) $$;
+             SELECT outbox.subscribe('points', NULL, 'loyalty.h(outbox.event)');",
+        )
+        .unwrap();
+    raise(&mut app, "order.placed", 4);
+    eventually(
+        "the sink and the jobs to fail",
+        Duration::from_secs(30),
+        || {
+            let sink = count(
+                &mut su,
+                "SELECT count(*) FROM outbox.sinks WHERE id = 'ship' AND attempts >= 2
+                    AND last_error LIKE '%cannot fire deferred trigger%'",
+            );
+            let jobs = count(
+                &mut su,
+                "SELECT count(*) FROM outbox.jobs WHERE subscription = 'points' AND attempts >= 1
+                    AND last_error LIKE '%cannot fire deferred trigger%'",
+            );
+            (sink == 1 && jobs == 4).then_some(())
+        },
+    );
+    for role in ["shipping", "loyalty"] {
+        assert_eq!(
+            count(&mut su, &format!("SELECT count(*) FROM {role}.who")),
+            0,
+            "{role}'s deferred trigger fired"
+        );
+        assert!(!is_superuser(&mut su, role), "{role} became superuser");
+    }
+}

@@ -70,7 +70,7 @@ struct Subscription {
     stopped_at: Option<String>,
     /// A subscription with a handler: its matches in this window, to run in this pass
     /// (`run_inline`) rather than be written as jobs. None: they are written as jobs.
-    inline: Option<Vec<Match>>,
+    inline: Option<Vec<pg_sys::Datum>>,
 }
 
 /// The time one subscription's filter may take in one pass. Every subscription at the same cursor
@@ -174,48 +174,36 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
     (subs, contended)
 }
 
-/// The window: each event's position and topic, and the fields the filters read ($4..$8 say
-/// which: subject, tenant, payload, headers, raised_at); with $10, the event as an outbox.event
-/// for the handlers that run their matches in the pass (read once here, not again by key), and
-/// that type's oid.
+/// The window: each event's position and topic, the fields the filters read ($4..$8 say which:
+/// subject, tenant, payload, headers, raised_at), and the event as an outbox.event (read once
+/// here, for the jobs written and the handlers run, not again by key), and that type's oid.
 const WINDOW_SQL: &str = "\
     SELECT r.position, r.topic, CASE WHEN $4 THEN r.subject END, CASE WHEN $5 THEN r.tenant END, \
            CASE WHEN $6 THEN r.payload::text END, CASE WHEN $7 THEN r.headers::text END, \
            CASE WHEN $8 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END, \
-           CASE WHEN $10 THEN ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, \
-                                 r.raised_at)::outbox.event END, \
+           ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, \
+               r.raised_at)::outbox.event, \
            'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
       FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $9) r";
 
-/// Writes one job per (subscription, event) pair the filters matched: the event as the payload,
-/// `<subscription>:<event id>` as the key. Reads only the matched events, by their primary key
-/// (the window was read once, for the filters). A (subscription, event) whose job still waits is
-/// not queued twice (a rewound cursor, say), while two subscriptions feeding one queue each get
-/// their job. Keys given to `enqueue` live apart (index `jobs_waiting_key`): they cannot hide an
-/// event.
+/// Writes one job per (subscription, event) pair the filters matched: the event (of the window's
+/// rows, $5) as the payload, `<subscription>:<event id>` as the key. A (subscription, event)
+/// whose job still waits is not queued twice (a rewound cursor, say), while two subscriptions
+/// feeding one queue each get their job. Keys given to `enqueue` live apart (index
+/// `jobs_waiting_key`): they cannot hide an event.
 const INSERT_SQL: &str = "\
     INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler, max_attempts) \
     SELECT m.queue, \
-           pg_catalog.to_jsonb(ROW(e.id, m.position, e.topic, e.subject, e.tenant, e.payload, e.headers, \
-                                   e.raised_at)::outbox.event), \
-           m.sub || ':' || e.id::text, e.id, m.sub, m.handler::pg_catalog.regprocedure, m.max_attempts \
+           pg_catalog.to_jsonb(ROW(m.id, m.position, m.topic, m.subject, m.tenant, m.payload, m.headers, \
+                                   m.raised_at)::outbox.event), \
+           m.sub || ':' || m.id::text, m.id, m.sub, m.handler::pg_catalog.regprocedure, m.max_attempts \
       FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::text[]), \
                       pg_catalog.unnest($3::pg_catalog.oid[]), pg_catalog.unnest($4::int4[]), \
-                      pg_catalog.unnest($5::text[]), pg_catalog.unnest($6::int8[])) WITH ORDINALITY \
-           AS m(sub, queue, handler, max_attempts, position, seq, n) \
-      JOIN outbox.events e \
-        ON e.txid OPERATOR(pg_catalog.=) pg_catalog.split_part(m.position, ':', 1)::pg_catalog.xid8 \
-       AND e.seq OPERATOR(pg_catalog.=) m.seq \
+                      pg_catalog.unnest($5::outbox.event[])) WITH ORDINALITY \
+           AS m(sub, queue, handler, max_attempts, id, position, topic, subject, tenant, payload, headers, \
+                raised_at, n) \
      ORDER BY m.n \
     ON CONFLICT (queue, subscription, event) WHERE subscription IS NOT NULL AND state = 'waiting' DO NOTHING";
-
-/// A match to run in the pass: its position, seq, and the event as an outbox.event datum of the
-/// window's rows (alive until the pass's SPI connection ends).
-struct Match {
-    position: String,
-    seq: i64,
-    event: pg_sys::Datum,
-}
 
 /// What a filter made of a window.
 #[derive(Default)]
@@ -312,22 +300,15 @@ fn fan_out(
             DatumWithOid::from(needs[3]),
             DatumWithOid::from(needs[4]),
             DatumWithOid::from(crate::settings::MAX_BATCH_BYTES.get() as i64),
-            DatumWithOid::from(group.iter().any(|s| s.inline.is_some())),
         ],
     )
     .expect("reading a fan-out window");
     let mut event_type = pg_sys::InvalidOid;
     let count = rows.len();
     // The matches, as parallel arrays for INSERT_SQL, in the order of the window (then of the
-    // group, which is by name).
-    let (mut subs, mut queues, mut handlers, mut attempts, mut positions, mut seqs) = (
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-    );
+    // group, which is by name); the events are outbox.event datums of the window's rows.
+    let (mut subs, mut queues, mut handlers, mut attempts, mut events) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut last: Option<String> = None;
     for row in rows {
         // Cancel and terminate are answered between events, and within an evaluation through the
@@ -383,26 +364,22 @@ fn fan_out(
             match verdict {
                 Ok(true) => {
                     sub.verdicts.matches += 1;
+                    // The datum in the window's rows (not copied).
+                    let event = row
+                        .get::<pgrx::AnyElement>(8)
+                        .unwrap()
+                        .expect("the event")
+                        .datum();
+                    event_type = row.get(9).unwrap().expect("outbox.event");
                     if let Some(inline) = sub.inline.as_mut() {
-                        inline.push(Match {
-                            position: position.clone(),
-                            seq: seq_of(&position),
-                            // The datum in the window's rows (not copied).
-                            event: row
-                                .get::<pgrx::AnyElement>(8)
-                                .unwrap()
-                                .expect("the event, read for inline handlers")
-                                .datum(),
-                        });
-                        event_type = row.get(9).unwrap().expect("outbox.event");
+                        inline.push(event);
                         continue;
                     }
                     subs.push(sub.name.clone());
                     queues.push(sub.queue.clone());
                     handlers.push(sub.handler);
                     attempts.push(sub.max_attempts);
-                    positions.push(position.clone());
-                    seqs.push(seq_of(&position));
+                    events.push(event);
                 }
                 Ok(false) => sub.verdicts.skipped += 1,
                 Err(e) => {
@@ -421,13 +398,12 @@ fn fan_out(
             continue;
         };
         let ran = run_inline(client, sub, &inline, event_type, budget);
-        for m in inline.into_iter().skip(ran) {
+        for event in inline.into_iter().skip(ran) {
             subs.push(sub.name.clone());
             queues.push(sub.queue.clone());
             handlers.push(sub.handler);
             attempts.push(sub.max_attempts);
-            positions.push(m.position);
-            seqs.push(m.seq);
+            events.push(event);
         }
     }
     let matched = group.iter().map(|s| s.verdicts.matches as usize).sum();
@@ -450,8 +426,13 @@ fn fan_out(
                 DatumWithOid::from(queues),
                 DatumWithOid::from(handlers),
                 DatumWithOid::from(attempts),
-                DatumWithOid::from(positions),
-                DatumWithOid::from(seqs),
+                // SAFETY: an outbox.event[] built in this SPI connection, still alive.
+                unsafe {
+                    DatumWithOid::new(
+                        event_array(&events, event_type),
+                        pg_sys::get_array_type(event_type),
+                    )
+                },
             ],
         )
         .expect("writing jobs");
@@ -573,7 +554,7 @@ fn event_array(events: &[pg_sys::Datum], event_type: pg_sys::Oid) -> pg_sys::Dat
 fn run_inline(
     client: &mut SpiClient<'_>,
     sub: &Subscription,
-    matches: &[Match],
+    matches: &[pg_sys::Datum],
     event_type: pg_sys::Oid,
     budget: &mut InlineBudget,
 ) -> usize {
@@ -607,7 +588,7 @@ fn run_inline(
         budget.calls -= 1;
         let batch = &matches[ran..matches.len().min(ran + size)];
         let call_started = std::time::Instant::now();
-        let mut events: Vec<pg_sys::Datum> = batch.iter().map(|m| m.event).collect();
+        let mut events = batch.to_vec();
         if any_waiting {
             // SAFETY: an outbox.event[] built in this SPI connection, still alive.
             let arg = unsafe { DatumWithOid::new(event_array(&events, event_type), array_type) };
@@ -678,14 +659,6 @@ fn run_inline(
         }
     }
     ran
-}
-
-/// The seq of a position the window read ("txid:seq").
-fn seq_of(position: &str) -> i64 {
-    position
-        .rsplit_once(':')
-        .and_then(|(_, seq)| seq.parse().ok())
-        .expect("positions are well-formed")
 }
 
 /// An event's payload or headers as JSON for filters; an error when the parser refuses it (its

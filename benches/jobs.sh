@@ -106,6 +106,8 @@ for clients in 2 4; do
     done
     printf '{"ratio": "claim(lease => NULL) + complete_many / hand-written lock+delete, %s workers", "value": %s, "target": 0.8}\n' \
       "$clients" "$(ratio "$tx" "$locked")" >>"$BENCH_JSON"
+    printf '{"ratio": "claim with a 30 s lease + complete_many / hand-written lock+delete, %s workers", "value": %s, "target": 0.8}\n' \
+      "$clients" "$(ratio "$lease" "$locked")" >>"$BENCH_JSON"
   fi
 done
 echo

@@ -267,9 +267,9 @@ fn main() {
                 us,
             );
             record_ratio(
-                &format!("fan-out µs per event per subscription, {subs} subscription(s) (target: at most 5)"),
+                &format!("fan-out µs per event per subscription, {subs} subscription(s) (target: at most 2)"),
                 us,
-                Some(5.0),
+                Some(2.0),
             );
         }
         println!("\njobs run by the workers through a one-INSERT SQL handler ({jobs} jobs)\n");

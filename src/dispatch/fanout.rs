@@ -490,15 +490,19 @@ fn fan_out(
 
 /// Matches run per handler call in the fan-out pass: the first call gets [`INLINE_FIRST`], and
 /// each next one twice as many, up to a sink's default batch, while the time the last one took
-/// says the next fits in [`INLINE_BUDGET`].
+/// says the next would take at most half of what is left of [`INLINE_BUDGET`].
 const INLINE_FIRST: usize = 16;
 const INLINE_BATCH: usize = 128;
 
-/// The time the handlers of a fan-out pass may take in all: each call runs under what is left
-/// of it (not `sink_timeout`), and the matches it has no time for are written as jobs (which
-/// several workers then run side by side, each call under `sink_timeout`). A slow handler holds
-/// neither the subscriptions that share its pass nor its own matches behind one worker.
+/// The time the handlers of a fan-out pass may take in all: a call starts only while some is
+/// left, and the matches it has no time for are written as jobs (which several workers then run
+/// side by side, each call under `sink_timeout`). A slow handler holds neither the subscriptions
+/// that share its pass nor its own matches behind one worker.
 const INLINE_BUDGET: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The time one call in the pass may take (or `sink_timeout`, if shorter): cancelled then, the
+/// handler is too slow to run in a pass at all (see [`QUEUED_AFTER_OVERRUN`]).
+const INLINE_CALL_TIMEOUT_MS: i32 = 100;
 
 /// Handler calls in one pass, each a subtransaction: the transaction's subtransaction ids stay
 /// within the cache every backend keeps (64), so nobody's snapshots overflow to pg_subtrans.
@@ -546,8 +550,9 @@ fn event_array(events: &[pg_sys::Datum], event_type: pg_sys::Oid) -> pg_sys::Dat
 /// [`INLINE_BATCH`]), each in a subtransaction of the pass's transaction: the handler's writes
 /// commit with the cursor move, as a job's commit with the job's removal, so a match that ran is
 /// never written as a job. Stops at the first batch that fails (its effects are rolled back), or
-/// once the pass's `budget` is spent; a call that overran it has the subscription's matches
-/// queued for a while ([`QUEUED_AFTER_OVERRUN`]). Returns how
+/// once the pass's `budget` is spent; a call cancelled by its timeout
+/// ([`INLINE_CALL_TIMEOUT_MS`]) has the subscription's matches queued for a while
+/// ([`QUEUED_AFTER_OVERRUN`]). Returns how
 /// many of `matches` went through (or had a job waiting already); the rest become jobs, so a
 /// failing event gets its attempts, back-off and dead state from the job runner
 /// (`dispatch::jobs`), exactly as if it had been queued.
@@ -617,8 +622,7 @@ fn run_inline(
             let target = crate::worker::Target::Inline {
                 subscription: &sub.name,
             };
-            let timeout = (budget.time.as_millis().min(i32::MAX as u128) as i32)
-                .min(crate::settings::SINK_TIMEOUT_MS.get());
+            let timeout = INLINE_CALL_TIMEOUT_MS.min(crate::settings::SINK_TIMEOUT_MS.get());
             let called = super::as_handler_owner_within(owner, target, timeout, || {
                 plans::call(client, &sql, &[arg])
                     .map(|_| ())
@@ -631,24 +635,24 @@ fn run_inline(
                     sub.name,
                     batch.len()
                 );
-                if failure.sqlstate == "57014" {
+                // Its own timeout (not a cancel from elsewhere, nor an error the handler raised
+                // with that SQLSTATE): too slow for a pass.
+                if super::last_call_timed_out() {
                     crate::worker::queue_only(&sub.name, Some(QUEUED_AFTER_OVERRUN));
                 }
                 break;
             }
-            // (A handler cannot leave a deferred trigger to fire at this transaction's commit,
-            // as the worker: PostgreSQL refuses to queue one in a security-restricted operation.
-            // A SET CONSTRAINTS ALL DEFERRED in it does outlive the call, and makes the
-            // deferrable constraints of handlers after it in this pass fail likewise: their
-            // matches then go to the job runner, which runs each subscription alone.)
         } else {
             budget.time = budget.time.saturating_sub(call_started.elapsed());
         }
         ran += batch.len();
-        // The next call, at this one's pace, must end within the budget.
+        // The next call, at this one's pace, must take at most half of what is left (and of its
+        // own timeout): a margin for the pace changing.
         let per_match = call_started.elapsed() / batch.len() as u32;
         let next = (size * 2).min(INLINE_BATCH);
-        let left = budget.time;
+        let left = budget.time.min(std::time::Duration::from_millis(
+            INLINE_CALL_TIMEOUT_MS as u64,
+        )) / 2;
         if per_match * next.min(matches.len() - ran) as u32 > left {
             size = (left.as_nanos() / per_match.as_nanos().max(1)) as usize;
             if size == 0 {

@@ -38,6 +38,20 @@ unsafe extern "C-unwind" {
     fn enable_timeout_after_raw(id: i32, delay_ms: i32);
     #[link_name = "disable_timeout"]
     fn disable_timeout_raw(id: i32, keep_indicator: bool);
+    #[link_name = "get_timeout_indicator"]
+    fn get_timeout_indicator_raw(id: i32, reset: bool) -> bool;
+}
+
+thread_local! {
+    /// Whether the last handler call was cancelled by its own timeout (see
+    /// [`last_call_timed_out`]).
+    static TIMED_OUT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the last handler call run by [`as_handler_owner_within`] was cancelled by its timeout
+/// (not by a cancel from elsewhere, nor by an error it raised with that SQLSTATE).
+pub(crate) fn last_call_timed_out() -> bool {
+    TIMED_OUT.with(|t| t.get())
 }
 
 /// # Safety
@@ -504,13 +518,38 @@ pub(crate) fn as_handler_owner<R>(
     as_handler_owner_within(owner, target, settings::SINK_TIMEOUT_MS.get(), f)
 }
 
-/// [`as_handler_owner`], with `timeout_ms` in place of `pg_outbox.sink_timeout`.
+/// SET CONSTRAINTS ALL IMMEDIATE, without SPI (whose write path would take a transaction id,
+/// held while a tenant's code runs).
+fn all_constraints_immediate() {
+    let mut stmt = pg_sys::ConstraintsSetStmt {
+        type_: pg_sys::NodeTag::T_ConstraintsSetStmt,
+        constraints: std::ptr::null_mut(),
+        deferred: false,
+    };
+    // SAFETY: a ConstraintsSetStmt for ALL (a NIL list) and IMMEDIATE, as the parser makes it;
+    // AfterTriggerSetState only reads it.
+    unsafe {
+        pg_sys::ffi::pg_guard_ffi_boundary(|| pg_sys::AfterTriggerSetState(&mut stmt));
+    }
+}
+
+/// [`as_handler_owner`], with `timeout_ms` in place of `pg_outbox.sink_timeout` (the grace
+/// before the worker is ended stays that of `sink_timeout`).
+///
+/// Every constraint is made immediate first: PostgreSQL refuses to queue a deferred trigger
+/// event in a handler (a security-restricted operation), so a handler's deferrable constraints
+/// are checked at the end of its statements, as its owner, whatever a handler before it in this
+/// transaction (another role's, in a fan-out pass) did with SET CONSTRAINTS. No deferred event
+/// is pending then (none can be queued in a handler), so this fires nothing.
 pub(crate) fn as_handler_owner_within<R>(
     owner: pg_sys::Oid,
     target: crate::worker::Target<'_>,
     timeout_ms: i32,
     f: impl FnOnce() -> R,
 ) -> Result<R, Failure> {
+    all_constraints_immediate();
+    TIMED_OUT.with(|t| t.set(false));
+    let grace = settings::SINK_TIMEOUT_MS.get().min(HARD_TIMEOUT_GRACE_MS);
     in_subtransaction(|| {
         let (mut user, mut context) = (pg_sys::InvalidOid, 0i32);
         // SAFETY: the subtransaction's end restores the user if the handler raises. The timeout
@@ -526,18 +565,19 @@ pub(crate) fn as_handler_owner_within<R>(
             enable_timeout_after(STATEMENT_TIMEOUT, timeout_ms);
             // A handler may catch the cancel: after a grace the worker itself is ended.
             if let Some(hard) = crate::worker::hard_timeout_id() {
-                let timeout = timeout_ms;
-                enable_timeout_after(
-                    hard,
-                    timeout.saturating_add(timeout.min(HARD_TIMEOUT_GRACE_MS)),
-                );
+                enable_timeout_after(hard, timeout_ms.saturating_add(grace));
             }
         }
         struct Restore(pg_sys::Oid, i32);
         impl Drop for Restore {
             fn drop(&mut self) {
-                // SAFETY: undoes exactly the two changes above.
+                // SAFETY: undoes exactly the two changes above (reading first whether the
+                // timeout fired).
                 unsafe {
+                    let fired = pg_sys::ffi::pg_guard_ffi_boundary(|| {
+                        get_timeout_indicator_raw(STATEMENT_TIMEOUT, false)
+                    });
+                    TIMED_OUT.with(|t| t.set(fired));
                     disable_timeout(STATEMENT_TIMEOUT, false);
                     if let Some(hard) = crate::worker::hard_timeout_id() {
                         disable_timeout(hard, false);

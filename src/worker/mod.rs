@@ -221,8 +221,9 @@ impl Slot {
         self.handler.kind != 0
     }
 
-    /// The handler it was running outlived `sink_timeout` (a fan-out pass's handler call, its
-    /// shorter time: any exit inside one): the worker was ended inside it.
+    /// The handler it was running outlived `sink_timeout` (a fan-out pass's handler call: the
+    /// worker was ended by its hard timeout, see `on_worker_exit`): the worker was ended inside
+    /// it.
     fn hung(&self) -> bool {
         self.in_handler()
             && (self.handler.kind == INLINE
@@ -272,8 +273,6 @@ pub struct WorkerTable {
     /// (database, hash of the name, until when) of subscriptions whose handler hung or overran
     /// in a fan-out pass (see `queue_only`).
     queue_only: [(u32, u64, i64); QUEUE_ONLY],
-    /// More of them than `queue_only` holds: no subscription runs its matches in the pass.
-    queue_only_full: bool,
     /// Queues that committed transactions gave jobs to claim, for a worker of their database to
     /// NOTIFY (see `announce_at_commit`).
     announced: [Announced; ANNOUNCED],
@@ -392,7 +391,6 @@ impl Default for WorkerTable {
             suspects: [(0, 0); SUSPECTS],
             suspects_next: 0,
             queue_only: [(0, 0, 0); QUEUE_ONLY],
-            queue_only_full: false,
             announced: [Announced::default(); ANNOUNCED],
             interest_generation: 0,
         }
@@ -446,27 +444,22 @@ pub(crate) fn queue_only(subscription: &str, how_long: Option<Duration>) {
 }
 
 fn mark_queue_only(table: &mut WorkerTable, database: u32, hash: u64, until: i64) {
-    let now = now();
     if let Some(e) = table
         .queue_only
         .iter_mut()
         .find(|e| (e.0, e.1) == (database, hash))
     {
         e.2 = e.2.max(until);
-    } else if let Some(e) = table.queue_only.iter_mut().find(|e| e.2 <= now) {
+    } else if let Some(e) = table.queue_only.iter_mut().min_by_key(|e| e.2) {
+        // A free or lapsed entry, else the one that lapses first (one that would hang again
+        // then costs its tenant a worker, and is marked again).
         *e = (database, hash, until);
-    } else {
-        // Never forget one (it would hang again): rather, no subscription runs in the pass.
-        table.queue_only_full = true;
     }
 }
 
 /// Whether `subscription`'s matches may run in its fan-out pass (see `queue_only`).
 pub(crate) fn runs_inline(subscription: &str) -> bool {
     let table = WORKERS.share();
-    if table.queue_only_full {
-        return false;
-    }
     let (database, hash, now) = (my_database(), name_hash(subscription), now());
     !table
         .queue_only
@@ -994,10 +987,13 @@ unsafe extern "C-unwind" {
 }
 
 static HARD_TIMEOUT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+/// The hard handler timeout fired in this process (it is about to end).
+static HARD_TIMED_OUT: AtomicBool = AtomicBool::new(false);
 
 /// The hard handler timeout fired: the handler outlived `sink_timeout` (whose cancel it may have
 /// caught) and the grace after it. Called in signal context: flags only.
 unsafe extern "C-unwind" fn on_hard_timeout() {
+    HARD_TIMED_OUT.store(true, Ordering::SeqCst);
     die_at_next_interrupt_check();
     // SAFETY: SetLatch is async-signal-safe; MyLatch is this process's latch.
     unsafe { set_latch_in_signal_handler(pg_sys::MyLatch) };
@@ -1484,13 +1480,22 @@ pub(crate) fn slot_database(slot: usize) -> u32 {
 unsafe extern "C-unwind" fn on_worker_exit(_code: std::ffi::c_int, arg: pg_sys::Datum) {
     let slot = arg.value();
     let mut table = WORKERS.exclusive();
-    // Ended inside a fan-out pass's handler call: no other worker runs that handler in a pass
-    // while this one's successor is started (it records the same).
-    if let Some(s) = table.slots.get(slot).filter(|s| s.handler.kind == INLINE) {
-        let h = s.handler;
-        let hash = name_hash(&String::from_utf8_lossy(&h.name[..h.name_len as usize]));
-        let database = s.database;
-        mark_queue_only(&mut table, database, hash, i64::MAX);
+    // Ended inside a fan-out pass's handler call. By its hard timeout (the handler would not
+    // stop): no other worker runs that handler in a pass while this one's successor is started
+    // (it records the same). Otherwise (SIGTERM, an error) it did not hang there.
+    if let Some(s) = table
+        .slots
+        .get_mut(slot)
+        .filter(|s| s.handler.kind == INLINE)
+    {
+        if HARD_TIMED_OUT.load(Ordering::SeqCst) {
+            let h = s.handler;
+            let hash = name_hash(&String::from_utf8_lossy(&h.name[..h.name_len as usize]));
+            let database = s.database;
+            mark_queue_only(&mut table, database, hash, i64::MAX);
+        } else {
+            s.handler.kind = 0;
+        }
     }
     if let Some(s) = table.slots.get_mut(slot) {
         s.state = EXITED;

@@ -76,7 +76,8 @@ COMMENT ON TABLE outbox.events IS
     'The event log. Read it through outbox.read() or a sink; positions order by (txid, seq).';
 
 -- What readers and sinks receive. The position is text "<txid>:<seq>"; order by the log, never
--- by this text.
+-- by this text. Fan-out (src/dispatch/fanout.rs, INSERT_SQL and WAITING_SQL) names these
+-- attributes in this order when it unnests an outbox.event[]: change them together.
 CREATE TYPE outbox.event AS (
     id        uuid,
     position  text,

@@ -2333,3 +2333,74 @@ fn a_deferred_trigger_of_a_handler_fires_as_its_owner_never_at_the_workers_commi
         "no job left waiting or dead"
     );
 }
+
+#[test]
+fn a_handler_that_never_stops_in_a_fan_out_pass_ends_one_worker_and_its_neighbours_lose_nothing() {
+    let db = worker_db("sec_hang_inline");
+    let _settings = Settings::fast_handlers(&db);
+    let mut su = db.connect();
+    let mut loyalty = tenant(&db, "loyalty", &[SUBSCRIBER_GRANTS]);
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    // Two subscriptions at one cursor, so one pass runs both handlers: `a_hangs` first (by
+    // name), on a batch with the event that never stops; `b_counts` after it in the same pass.
+    loyalty
+        .batch_execute(&format!(
+            "CREATE TABLE loyalty.got (sub text, n int);
+             CREATE FUNCTION loyalty.hangs(e outbox.event) RETURNS void LANGUAGE plpgsql AS $$ BEGIN
+               {HANG_ON_FLAG}
+               INSERT INTO loyalty.got VALUES ('a', (e.payload->>'n')::int);
+             END $$;
+             CREATE FUNCTION loyalty.counts(e outbox.event) RETURNS void LANGUAGE sql AS
+               $$ INSERT INTO loyalty.got VALUES ('b', (e.payload->>'n')::int) $$;
+             SELECT outbox.subscribe('a_hangs', ARRAY['#'], 'loyalty.hangs(outbox.event)', max_attempts => 2);
+             SELECT outbox.subscribe('b_counts', ARRAY['#'], 'loyalty.counts(outbox.event)');"
+        ))
+        .unwrap();
+    app.batch_execute(
+        "SELECT outbox.raise_many(ARRAY['a.b'],
+           ARRAY['{\"n\": 1}', '{\"n\": 2, \"hang\": true}', '{\"n\": 3}', '{\"n\": 4}']::jsonb[])",
+    )
+    .unwrap();
+    // The neighbour's effects exactly once, though the pass that first ran them was lost with its
+    // worker; the hanging subscription's others run (as jobs), and the one that hangs dies alone.
+    eventually("b's four effects", Duration::from_secs(60), || {
+        (count(&mut su, "SELECT count(*) FROM loyalty.got WHERE sub = 'b'") == 4).then_some(())
+    });
+    eventually("a's three others to run", Duration::from_secs(60), || {
+        (count(&mut su, "SELECT count(*) FROM loyalty.got WHERE sub = 'a'") == 3).then_some(())
+    });
+    eventually("the hanging job to die", Duration::from_secs(90), || {
+        (count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE state = 'dead' AND subscription = 'a_hangs'",
+        ) == 1)
+            .then_some(())
+    });
+    // More events later: the neighbour still runs them once each, the hanging one's are queued
+    // (it is not run in a pass again), and nothing else hangs.
+    app.batch_execute(
+        "SELECT outbox.raise_many(ARRAY['a.b'], ARRAY['{\"n\": 5}', '{\"n\": 6}']::jsonb[])",
+    )
+    .unwrap();
+    eventually("the later events", Duration::from_secs(30), || {
+        (count(&mut su, "SELECT count(*) FROM loyalty.got") == 11).then_some(())
+    });
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM (SELECT sub, n FROM loyalty.got GROUP BY 1, 2 HAVING count(*) > 1) d"
+        ),
+        0,
+        "an effect ran twice"
+    );
+    let log = db.cluster().log();
+    assert_eq!(
+        log.matches("Inline { subscription: \"a_hangs\" }").count(),
+        1,
+        "the pass hung once, not again after its successor started\n{log}"
+    );
+    assert!(
+        !log.contains("Inline { subscription: \"b_counts\" }"),
+        "{log}"
+    );
+}

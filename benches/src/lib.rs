@@ -171,3 +171,20 @@ pub fn record_x_unit(chart: &str, unit: &str) {
 pub fn record_ratio(what: &str, ratio: f64, target: Option<f64>) {
     append(serde_json::json!({ "ratio": what, "value": ratio, "target": target }));
 }
+
+/// A hand-written queue's clients: `clients` connections of their own each run `sql` (a statement
+/// that moves up to `$1` = `batch` rows) until it moves none. Returns the seconds until all of
+/// them were done.
+pub fn drain_until_empty(cluster: &Cluster, clients: usize, sql: &'static str, batch: i64) -> f64 {
+    let start = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|_| {
+            let mut c = cluster.connect("bench", "postgres");
+            std::thread::spawn(move || while c.execute(sql, &[&batch]).unwrap() > 0 {})
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    start.elapsed().as_secs_f64()
+}

@@ -992,56 +992,6 @@ fn a_sink_handler_that_never_stops_in_a_later_batch_of_a_pass_loses_and_repeats_
 }
 
 #[test]
-fn a_job_handler_that_never_stops_dies_alone_and_its_batch_goes_through() {
-    let db = worker_db("sec_hang_job");
-    let _settings = Settings::fast_handlers(&db);
-    let mut su = db.connect();
-    let mut loyalty = tenant(&db, "loyalty", &[SUBSCRIBER_GRANTS]);
-    let mut app = tenant(&db, "app", &[APP_GRANTS]);
-    loyalty
-        .batch_execute(&format!(
-            "CREATE TABLE loyalty.got (n int);
-             CREATE FUNCTION loyalty.h(e outbox.event) RETURNS void LANGUAGE plpgsql AS $$ BEGIN
-               {HANG_ON_FLAG}
-               INSERT INTO loyalty.got VALUES ((e.payload->>'n')::int);
-             END $$;
-             SELECT outbox.subscribe('points', ARRAY['#'], 'loyalty.h(outbox.event)', max_attempts => 2);"
-        ))
-        .unwrap();
-    app.batch_execute(
-        "SELECT outbox.raise_many(ARRAY['a.b'],
-           ARRAY['{\"n\": 1}', '{\"n\": 2, \"hang\": true}', '{\"n\": 3}', '{\"n\": 4}']::jsonb[])",
-    )
-    .unwrap();
-    eventually("the others to run", Duration::from_secs(60), || {
-        (count(&mut su, "SELECT count(*) FROM loyalty.got") == 3).then_some(())
-    });
-    eventually("the hanging job to die", Duration::from_secs(90), || {
-        (count(
-            &mut su,
-            "SELECT count(*) FROM outbox.jobs WHERE state = 'dead'",
-        ) == 1)
-            .then_some(())
-    });
-    let error: String = su
-        .query_one(
-            "SELECT last_error FROM outbox.jobs WHERE state = 'dead'",
-            &[],
-        )
-        .unwrap()
-        .get(0);
-    assert!(error.contains("sink_timeout"), "{error}");
-    // It hung first in the fan-out pass that ran the batch at once; from then on the
-    // subscription's matches were queued, and the job runner found the one that hangs.
-    let log = db.cluster().log();
-    assert!(
-        log.contains("Inline { subscription: \"points\" }")
-            && log.contains("Jobs { subscription: \"points\""),
-        "{log}"
-    );
-}
-
-#[test]
 fn a_handler_can_leave_no_prepared_statements_or_listens_behind() {
     let db = worker_db("sec_backend_state");
     let mut su = db.connect();
@@ -2335,7 +2285,7 @@ fn a_deferred_trigger_of_a_handler_fires_as_its_owner_never_at_the_workers_commi
 }
 
 #[test]
-fn a_handler_that_never_stops_in_a_fan_out_pass_ends_one_worker_and_its_neighbours_lose_nothing() {
+fn a_job_handler_that_never_stops_ends_one_worker_dies_alone_and_its_neighbours_lose_nothing() {
     let db = worker_db("sec_hang_inline");
     let _settings = Settings::fast_handlers(&db);
     let mut su = db.connect();
@@ -2393,7 +2343,18 @@ fn a_handler_that_never_stops_in_a_fan_out_pass_ends_one_worker_and_its_neighbou
         0,
         "an effect ran twice"
     );
+    let error: String = su
+        .query_one(
+            "SELECT last_error FROM outbox.jobs WHERE state = 'dead'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(error.contains("sink_timeout"), "{error}");
+    // It hung once in a pass; from then on its matches were queued, and the job runner found the
+    // one that hangs.
     let log = db.cluster().log();
+    assert!(log.contains("Jobs { subscription: \"a_hangs\""), "{log}");
     assert_eq!(
         log.matches("Inline { subscription: \"a_hangs\" }").count(),
         1,

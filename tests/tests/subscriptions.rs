@@ -524,14 +524,20 @@ const WRITTEN: &str = "
     BEGIN INSERT INTO public.written VALUES (NEW.subscription); RETURN NULL; END $$;
     CREATE TRIGGER note_written AFTER INSERT ON outbox.jobs FOR EACH ROW EXECUTE FUNCTION note_written();";
 
-#[test]
-fn a_handler_runs_its_matches_in_the_pass_that_finds_them_and_only_failures_become_jobs() {
-    let db = worker_db("sub_inline");
+/// A database with EFFECTS (its handler owned by a role of its own, returned) and WRITTEN.
+fn effects_db(label: &str) -> (pg_outbox_tests::TestDb, Client, String) {
+    let db = worker_db(label);
     let mut c = db.connect();
     let owner = format!("job_owner_{}", db.name);
     c.batch_execute(&EFFECTS.replace("job_owner", &owner))
         .unwrap();
     c.batch_execute(WRITTEN).unwrap();
+    (db, c, owner)
+}
+
+#[test]
+fn a_handler_runs_its_matches_in_the_pass_that_finds_them_and_only_failures_become_jobs() {
+    let (_db, mut c, owner) = effects_db("sub_inline");
     // A second handler at the same cursor (one pass serves both), which never fails.
     c.batch_execute(&format!(
         "CREATE FUNCTION apply_twin(e outbox.event) RETURNS void LANGUAGE sql AS
@@ -605,12 +611,7 @@ fn a_handler_runs_its_matches_in_the_pass_that_finds_them_and_only_failures_beco
 
 #[test]
 fn a_handler_that_overruns_the_pass_is_cut_off_and_its_matches_are_queued() {
-    let db = worker_db("sub_inline_slow");
-    let mut c = db.connect();
-    let owner = format!("job_owner_{}", db.name);
-    c.batch_execute(&EFFECTS.replace("job_owner", &owner))
-        .unwrap();
-    c.batch_execute(WRITTEN).unwrap();
+    let (_db, mut c, owner) = effects_db("sub_inline_slow");
     // Two subscriptions in one pass: a fast handler, and one that takes 10 ms an event (a call
     // of 16 overruns the pass's 100 ms).
     c.batch_execute(&format!(
@@ -668,11 +669,7 @@ fn a_handler_that_overruns_the_pass_is_cut_off_and_its_matches_are_queued() {
 
 #[test]
 fn a_rewound_handler_does_not_run_an_event_whose_job_still_waits() {
-    let db = worker_db("sub_inline_rewind");
-    let mut c = db.connect();
-    let owner = format!("job_owner_{}", db.name);
-    c.batch_execute(&EFFECTS.replace("job_owner", &owner))
-        .unwrap();
+    let (_db, mut c, owner) = effects_db("sub_inline_rewind");
     c.batch_execute(&format!("SET ROLE {owner}")).unwrap();
     let start: String = c
         .query_one(

@@ -10,7 +10,8 @@
 //! minute: 3600 and 60); BENCH_DRAIN_ONLY=1 stops after the drains.
 
 use pg_outbox_benches::{
-    env_or, head, raise_load, record, record_ratio, record_x_unit, with_bench_cluster, Latency,
+    drain_until_empty, env_or, head, raise_load, record, record_ratio, record_x_unit,
+    with_bench_cluster, Latency,
 };
 use pg_outbox_tests::{eventually, Cluster};
 use postgres::Client;
@@ -194,31 +195,17 @@ fn skip_locked_drain(cluster: &Cluster, c: &mut Client, clients: usize, batch: i
     .unwrap();
     c.batch_execute("VACUUM ANALYZE plain_queue").unwrap();
     c.batch_execute("CHECKPOINT").unwrap();
-    let start = Instant::now();
-    let threads: Vec<_> = (0..clients)
-        .map(|_| {
-            let mut c = cluster.connect("bench", "postgres");
-            std::thread::spawn(move || loop {
-                let moved = c
-                    .execute(
-                        "WITH claimed AS ( \
-                             DELETE FROM plain_queue WHERE id IN ( \
-                                 SELECT id FROM plain_queue ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
-                             RETURNING id, payload) \
-                         INSERT INTO ledger (k, pos) SELECT (payload->>'k')::bigint, id::text FROM claimed",
-                        &[&batch],
-                    )
-                    .unwrap();
-                if moved == 0 {
-                    return;
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let seconds = drain_until_empty(
+        cluster,
+        clients,
+        "WITH claimed AS ( \
+             DELETE FROM plain_queue WHERE id IN ( \
+                 SELECT id FROM plain_queue ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
+             RETURNING id, payload) \
+         INSERT INTO ledger (k, pos) SELECT (payload->>'k')::bigint, id::text FROM claimed",
+        batch,
+    );
+    let rate = n as f64 / seconds;
     let got: i64 = c
         .query_one("SELECT count(*) FROM ledger", &[])
         .unwrap()

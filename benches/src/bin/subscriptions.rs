@@ -7,7 +7,9 @@
 //! BENCH_EVENTS (default 20000) sets the events per fan-out run, BENCH_JOBS (default 100000) the
 //! jobs per run of the handler.
 
-use pg_outbox_benches::{env_or, head, record, record_ratio, record_x_unit, with_bench_cluster};
+use pg_outbox_benches::{
+    drain_until_empty, env_or, head, record, record_ratio, record_x_unit, with_bench_cluster,
+};
 use pg_outbox_tests::{eventually, Cluster};
 use postgres::Client;
 use std::time::{Duration, Instant};
@@ -188,31 +190,17 @@ fn skip_locked_jobs(cluster: &Cluster, c: &mut Client, jobs: i64) -> f64 {
     .unwrap();
     c.batch_execute("VACUUM ANALYZE plain_jobs").unwrap();
     c.batch_execute("CHECKPOINT").unwrap();
-    let start = Instant::now();
-    let threads: Vec<_> = (0..2)
-        .map(|_| {
-            let mut c = cluster.connect("bench", "postgres");
-            std::thread::spawn(move || loop {
-                let moved = c
-                    .execute(
-                        "WITH claimed AS ( \
-                             DELETE FROM plain_jobs WHERE id IN ( \
-                                 SELECT id FROM plain_jobs ORDER BY id LIMIT 128 FOR UPDATE SKIP LOCKED) \
-                             RETURNING payload) \
-                         INSERT INTO done SELECT (payload->>'k')::bigint FROM claimed",
-                        &[],
-                    )
-                    .unwrap();
-                if moved == 0 {
-                    return;
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    let rate = jobs as f64 / start.elapsed().as_secs_f64();
+    let seconds = drain_until_empty(
+        cluster,
+        2,
+        "WITH claimed AS ( \
+             DELETE FROM plain_jobs WHERE id IN ( \
+                 SELECT id FROM plain_jobs ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
+             RETURNING payload) \
+         INSERT INTO done SELECT (payload->>'k')::bigint FROM claimed",
+        128,
+    );
+    let rate = jobs as f64 / seconds;
     let (ran, distinct): (i64, i64) = {
         let r = c
             .query_one("SELECT count(*), count(DISTINCT k) FROM done", &[])

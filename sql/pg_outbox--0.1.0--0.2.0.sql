@@ -101,18 +101,28 @@ DROP FUNCTION outbox._schedule(text, interval, time, text, text, text, text, jso
 CREATE UNIQUE INDEX jobs_waiting_event ON outbox.jobs (queue, subscription, event)
     WHERE subscription IS NOT NULL AND state = 'waiting';
 
-CREATE OR REPLACE FUNCTION outbox._read_after(after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
-RETURNS SETOF outbox.event
+-- The read rule, with the log's own columns (src/sql/schema.sql); _read_after reads through it.
+CREATE FUNCTION outbox._read_log(after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
+RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject text, tenant text,
+               payload jsonb, headers jsonb, raised_at timestamptz)
 LANGUAGE sql STABLE AS $$
-    SELECT e.id,
-           (e.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) e.seq::pg_catalog.text,
-           e.topic, e.subject, e.tenant, e.payload, e.headers, e.raised_at
+    SELECT e.txid, e.seq, e.id, e.topic, e.subject, e.tenant, e.payload, e.headers, e.raised_at
       FROM outbox.events e
      WHERE e.txid OPERATOR(pg_catalog.<) outbox._log_horizon()
        AND ROW(e.txid, e.seq) OPERATOR(pg_catalog.>) ROW(after_txid, after_seq)
        AND after_txid IS NOT NULL AND after_seq IS NOT NULL
      ORDER BY e.txid, e.seq
      LIMIT COALESCE(max_events, 0)
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._read_after(after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
+RETURNS SETOF outbox.event
+LANGUAGE sql STABLE AS $$
+    SELECT r.id,
+           (r.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) r.seq::pg_catalog.text,
+           r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at
+      FROM outbox._read_log(after_txid, after_seq, max_events) r
+     ORDER BY r.txid, r.seq
 $$;
 
 CREATE FUNCTION outbox."_event_size"(
@@ -128,27 +138,29 @@ AS 'MODULE_PATHNAME', 'event_size_wrapper';
 -- uncompressed (outbox._event_size reads that from each value's header, without decompressing
 -- it); never empty while an event is readable. Bounds what a pass holds whatever events hold.
 --
--- Inlined into the workers' kept statements with the read rule, like it (see _read_after): not
+-- Inlined into the workers' kept statements with the read rule, like it (see _read_log): not
 -- STRICT (a NULL argument reads nothing), no SET, every name and operator qualified. The window
--- functions number and sum the rows in the order the read rule returns them (its ORDER BY and
--- LIMIT keep it a subquery, which PostgreSQL reads in that order).
+-- is ordered by the log's columns, as the rows come from the read rule: the planner knows the
+-- order, so neither the window nor the result is sorted again.
 CREATE FUNCTION outbox._read_window(after_txid pg_catalog.xid8, after_seq bigint, max_events integer,
                                     max_bytes bigint)
 RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
                headers jsonb, raised_at timestamptz, n bigint)
 LANGUAGE sql STABLE AS $$
-    SELECT w.id, w.position, w.topic, w.subject, w.tenant, w.payload, w.headers, w.raised_at, w.n
-      FROM (SELECT r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at,
+    SELECT w.id,
+           (w.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) w.seq::pg_catalog.text,
+           w.topic, w.subject, w.tenant, w.payload, w.headers, w.raised_at, w.n
+      FROM (SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at,
                    pg_catalog.row_number() OVER upto AS n,
                    -- Summed as int4 (capped) into an int8: a sum of int8 is a numeric, made and
                    -- compared for every row.
                    pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
                                                          2147483647)::pg_catalog.int4) OVER upto AS upto
-              FROM outbox._read_after(after_txid, after_seq, max_events) r
-            WINDOW upto AS (ROWS UNBOUNDED PRECEDING)) w
+              FROM outbox._read_log(after_txid, after_seq, max_events) r
+            WINDOW upto AS (ORDER BY r.txid, r.seq ROWS UNBOUNDED PRECEDING)) w
      WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
        AND max_bytes IS NOT NULL
-     ORDER BY w.n
+     ORDER BY w.txid, w.seq
 $$;
 
 -- Queues belong to roles. The role that creates a queue (outbox.create_queue, or the first
@@ -1465,7 +1477,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid FROM pg_catalog.pg_proc p
               WHERE p.pronamespace = 'outbox'::pg_catalog.regnamespace
-                AND p.proname = ANY (ARRAY['_event_size', '_read_window', '_may', '_check_may',
+                AND p.proname = ANY (ARRAY['_event_size', '_read_window', '_read_log', '_may', '_check_may',
                     '_use_queue', '_create_queue', '_owned_queue', '_drop_queue', '_check_grant', '_grant_queue',
                     '_revoke_queue', 'queue_privileges', '_enqueue', '_claim', '_complete_many',
                     '_check_job', '_fail', '_extend', '_replay_job', '_status', '_queue_status',

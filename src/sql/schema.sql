@@ -123,8 +123,9 @@ $$;
 CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq ON outbox.consumers
     FOR EACH ROW EXECUTE FUNCTION outbox._cursor_forward_only();
 
--- THE READ RULE. Every reader in pg_outbox -- outbox.read(), the worker's sinks, the tests -- reads
--- through this one function, and nowhere else.
+-- THE READ RULE. Every reader in pg_outbox -- outbox.read(), the worker's sinks and fan-out, the
+-- tests -- reads through this one function (or _read_after, the same rows as outbox.event), and
+-- nowhere else.
 --
 -- Sequence numbers are drawn at insert but transactions commit in another order: A takes seq 41,
 -- B takes 42, B commits first. A reader that saw 42 and moved past it would never see 41. So only
@@ -136,18 +137,30 @@ CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq ON outbox.consu
 -- through it (the workers keep those plans: nothing is parsed, planned or materialised per window).
 -- In exchange every name and operator in it is schema-qualified, so that it means the same under
 -- any search_path (tested against a hostile one), and a NULL argument reads nothing, as STRICT did.
-CREATE FUNCTION outbox._read_after(after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
-RETURNS SETOF outbox.event
+-- The columns are the log's own (no position text is made): fan-out reads them as they are.
+CREATE FUNCTION outbox._read_log(after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
+RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject text, tenant text,
+               payload jsonb, headers jsonb, raised_at timestamptz)
 LANGUAGE sql STABLE AS $$
-    SELECT e.id,
-           (e.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) e.seq::pg_catalog.text,
-           e.topic, e.subject, e.tenant, e.payload, e.headers, e.raised_at
+    SELECT e.txid, e.seq, e.id, e.topic, e.subject, e.tenant, e.payload, e.headers, e.raised_at
       FROM outbox.events e
      WHERE e.txid OPERATOR(pg_catalog.<) outbox._log_horizon()
        AND ROW(e.txid, e.seq) OPERATOR(pg_catalog.>) ROW(after_txid, after_seq)
        AND after_txid IS NOT NULL AND after_seq IS NOT NULL
      ORDER BY e.txid, e.seq
      LIMIT COALESCE(max_events, 0)
+$$;
+
+-- The read rule's rows as readers receive them. Ordered by the columns again: the planner knows
+-- the inlined rows come in that order, so this costs no sort.
+CREATE FUNCTION outbox._read_after(after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
+RETURNS SETOF outbox.event
+LANGUAGE sql STABLE AS $$
+    SELECT r.id,
+           (r.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) r.seq::pg_catalog.text,
+           r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at
+      FROM outbox._read_log(after_txid, after_seq, max_events) r
+     ORDER BY r.txid, r.seq
 $$;
 
 CREATE FUNCTION outbox.read(consumer text, max_events integer DEFAULT 100)

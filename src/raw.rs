@@ -196,3 +196,91 @@ impl RawTextArray {
             .collect()
     }
 }
+
+/// What `RawJsonb::fields` read: each field found (its value, or why serde_json refused it), or,
+/// of a value that is not an object, the whole value.
+pub enum Fields {
+    Of(Vec<(String, Result<serde_json::Value, String>)>),
+    NotAnObject(Result<serde_json::Value, String>),
+}
+
+impl RawJsonb {
+    /// The top-level fields `keys` of an object, as JSON (the ones it lacks are left out), read
+    /// from the binary value: a filter that selects one field of a payload no longer has the whole
+    /// payload printed and parsed per event. Each value is what printing the whole value and
+    /// parsing it would give: strings as stored, numbers as `numeric_out` prints them parsed by
+    /// serde_json, nested objects and arrays printed and parsed; a value serde_json refuses (a
+    /// number out of its range, nesting past its recursion limit) is an error of that field alone.
+    pub fn fields(self, keys: &[String]) -> Fields {
+        // SAFETY: the datum is a non-null jsonb. Detoasted (and unpacked: the root container
+        // must be aligned) into the current memory context; the JsonbValues found point into it,
+        // and the text printed of nested values is palloc'd there too, all read before returning.
+        unsafe {
+            let jsonb = pg_sys::pg_detoast_datum(self.0.cast_mut_ptr()).cast::<pg_sys::Jsonb>();
+            let root = std::ptr::addr_of_mut!((*jsonb).root);
+            if (*root).header & pg_sys::JB_FOBJECT == 0 {
+                return Fields::NotAnObject(container_json(root, 0));
+            }
+            let mut found = std::mem::MaybeUninit::<pg_sys::JsonbValue>::zeroed();
+            let mut fields = Vec::with_capacity(keys.len());
+            for key in keys {
+                let v = pg_sys::getKeyJsonValueFromContainer(
+                    root,
+                    key.as_ptr().cast(),
+                    key.len() as std::ffi::c_int,
+                    found.as_mut_ptr(),
+                );
+                if !v.is_null() {
+                    fields.push((key.clone(), scalar_or_container_json(&*v)));
+                }
+            }
+            Fields::Of(fields)
+        }
+    }
+}
+
+/// A JsonbValue found in a container (a scalar, or a nested container), as JSON.
+///
+/// # Safety
+/// `v` is a value `getKeyJsonValueFromContainer` returned, its data still alive.
+unsafe fn scalar_or_container_json(v: &pg_sys::JsonbValue) -> Result<serde_json::Value, String> {
+    use pg_sys::jbvType;
+    Ok(match v.type_ {
+        jbvType::jbvNull => serde_json::Value::Null,
+        jbvType::jbvBool => serde_json::Value::Bool(v.val.boolean),
+        jbvType::jbvString => {
+            let bytes = std::slice::from_raw_parts(
+                v.val.string.val.cast::<u8>(),
+                v.val.string.len as usize,
+            );
+            serde_json::Value::String(String::from_utf8_lossy(bytes).into_owned())
+        }
+        jbvType::jbvNumeric => {
+            let text = pgrx::direct_function_call_as_datum(
+                pg_sys::numeric_out,
+                &[Some(pg_sys::Datum::from(v.val.numeric))],
+            )
+            .expect("numeric_out returns text");
+            let text = std::ffi::CStr::from_ptr(text.cast_mut_ptr::<std::ffi::c_char>());
+            parse(&text.to_string_lossy())?
+        }
+        jbvType::jbvBinary => container_json(v.val.binary.data, v.val.binary.len)?,
+        other => return Err(format!("unexpected jsonb value of type {other}")),
+    })
+}
+
+/// A jsonb container printed (as jsonb_out prints it) and parsed.
+///
+/// # Safety
+/// `container` points at a jsonb container alive in memory.
+unsafe fn container_json(
+    container: *mut pg_sys::JsonbContainer,
+    estimated_len: std::ffi::c_int,
+) -> Result<serde_json::Value, String> {
+    let text = pg_sys::JsonbToCString(std::ptr::null_mut(), container, estimated_len);
+    parse(&std::ffi::CStr::from_ptr(text).to_string_lossy())
+}
+
+fn parse(text: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(text).map_err(|e| e.to_string())
+}

@@ -57,6 +57,25 @@ pub struct Needs {
 }
 
 impl Needs {
+    /// Whether any of the filters reads `variable` (one of VARIABLES).
+    pub fn uses(&self, variable: &str) -> bool {
+        VARIABLES
+            .iter()
+            .position(|v| *v == variable)
+            .is_some_and(|i| self.uses[i])
+    }
+
+    /// The top-level fields of payload the filters select by name, when that is all they read of
+    /// it (None: the whole value). An event's context needs only these.
+    pub fn payload_fields(&self) -> Option<&[String]> {
+        self.payload_fields.as_deref()
+    }
+
+    /// As `payload_fields`, for headers.
+    pub fn headers_fields(&self) -> Option<&[String]> {
+        self.headers_fields.as_deref()
+    }
+
     /// What `filters` read together.
     pub fn of<'f>(filters: impl IntoIterator<Item = &'f Filter>) -> Needs {
         let mut needs = Needs {
@@ -582,7 +601,8 @@ impl EventContext<'_> {
         if tenant {
             context.add_variable_from_value("tenant", text(event.tenant));
         }
-        // The limits hold for the whole event, whatever part of it a filter reads.
+        // The limits hold for the payload and headers given here together: in fan-out, of an
+        // event whose filters select fields by name, only those fields are read and given.
         let too_large = (payload || headers)
             .then(|| {
                 let (mut values, mut bytes) = (0, 0);

@@ -23,7 +23,7 @@ use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::rc::Rc;
 
 /// Events read per pass. Jobs are small rows; a larger window amortises the pass.
@@ -67,7 +67,7 @@ struct Subscription {
     spent: std::time::Duration,
     /// The last event it was evaluated on, once its filter used up its time for this pass: its
     /// cursor moves only that far, and the rest of the window waits for its next pass.
-    stopped_at: Option<String>,
+    stopped_at: Option<Position>,
     /// A subscription with a handler: its matches in this window, to run in this pass
     /// (`run_inline`) rather than be written as jobs. None: they are written as jobs.
     inline: Option<Vec<pg_sys::Datum>>,
@@ -174,36 +174,146 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
     (subs, contended)
 }
 
-/// The window: each event's position and topic, the fields the filters read ($4..$8 say which:
-/// subject, tenant, payload, headers, raised_at), and the event as an outbox.event (read once
-/// here, for the jobs written and the handlers run, not again by key), and that type's oid.
+/// The window: the read rule's next events after a cursor ($1, $2), at most $3, with the log's
+/// columns as they are (`Column`); the byte cap is applied while reading them (`fan_out`), and an
+/// event is made an outbox.event only once a filter matched it. As text only what filters read
+/// whole ($4 payload, $5 headers, $6 raised_at say which); the fields of payload and headers they
+/// select by name are read from the binary values (`RawJsonb::fields`).
 const WINDOW_SQL: &str = "\
-    SELECT r.position, r.topic, CASE WHEN $4 THEN r.subject END, CASE WHEN $5 THEN r.tenant END, \
-           CASE WHEN $6 THEN r.payload::text END, CASE WHEN $7 THEN r.headers::text END, \
-           CASE WHEN $8 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END, \
-           ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, \
-               r.raised_at)::outbox.event, \
+    SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at, \
+           CASE WHEN $4 THEN r.payload::text END, CASE WHEN $5 THEN r.headers::text END, \
+           CASE WHEN $6 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END, \
            'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
-      FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $9) r";
+      FROM outbox._read_log($1::pg_catalog.xid8, $2, $3) r";
+
+/// The columns of `WINDOW_SQL`, as `Row` holds them.
+#[derive(Clone, Copy)]
+enum Column {
+    Txid,
+    Seq,
+    Id,
+    Topic,
+    Subject,
+    Tenant,
+    Payload,
+    Headers,
+    RaisedAt,
+    PayloadText,
+    HeadersText,
+    RaisedAtText,
+    EventType,
+}
+const COLUMNS: usize = 13;
+
+/// One row of the window, deformed once (SPI's per-column access walks the tuple again for each
+/// column after a variable-length one).
+struct Row {
+    values: [pg_sys::Datum; COLUMNS],
+    nulls: [bool; COLUMNS],
+}
+
+impl Row {
+    fn get(&self, c: Column) -> Option<pg_sys::Datum> {
+        (!self.nulls[c as usize]).then_some(self.values[c as usize])
+    }
+
+    fn position(&self) -> Position {
+        let txid = self.get(Column::Txid).expect("txid").value() as u64;
+        let seq = self.get(Column::Seq).expect("seq").value() as i64;
+        Position::new(txid, seq)
+    }
+
+    /// A text column (topic, subject, tenant, the text ones).
+    fn text(&self, c: Column) -> Option<&str> {
+        // SAFETY: the column is text (WINDOW_SQL), its datum alive in the window's rows.
+        self.get(c)
+            .and_then(|d| unsafe { <&str as pgrx::FromDatum>::from_datum(d, false) })
+    }
+
+    /// A jsonb column's uncompressed size (of its header, not decompressed).
+    fn size(&self, c: Column) -> i64 {
+        self.get(c)
+            .map_or(0, |d| crate::raw::RawJsonb(d).raw_size() as i64)
+    }
+
+    /// The event as an outbox.event (a composite datum in the current memory context).
+    fn event(&self, tupdesc: pg_sys::TupleDesc) -> pg_sys::Datum {
+        use Column::*;
+        let position = self.position();
+        let position = pgrx::IntoDatum::into_datum(format!("{}:{}", position.txid, position.seq))
+            .expect("text");
+        let columns = [Id, Txid, Topic, Subject, Tenant, Payload, Headers, RaisedAt];
+        let mut values = columns.map(|c| self.values[c as usize]);
+        let mut nulls = columns.map(|c| self.nulls[c as usize]);
+        (values[1], nulls[1]) = (position, false);
+        // SAFETY: `tupdesc` is outbox.event's, whose columns these are in its order; the datums
+        // are alive (the window's rows, the text just made). HeapTupleHeaderGetDatum flattens
+        // values stored out of line into the composite, as a composite datum must be.
+        unsafe {
+            let tuple = pg_sys::heap_form_tuple(tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
+            pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
+        }
+    }
+}
+
+/// The rows of the result the last SPI statement returned, deformed.
+fn deformed_rows() -> Vec<Row> {
+    // SAFETY: called right after the window's SELECT, whose result SPI_tuptable is (alive until
+    // the SPI connection ends); it has COLUMNS columns.
+    unsafe {
+        let table = pg_sys::SPI_tuptable;
+        if table.is_null() {
+            return Vec::new();
+        }
+        let tupdesc = (*table).tupdesc;
+        assert_eq!((*tupdesc).natts as usize, COLUMNS, "the window's columns");
+        let n = (*table).numvals as usize;
+        let mut rows = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut row = Row {
+                values: [pg_sys::Datum::from(0); COLUMNS],
+                nulls: [true; COLUMNS],
+            };
+            pg_sys::heap_deform_tuple(
+                *(*table).vals.add(i),
+                tupdesc,
+                row.values.as_mut_ptr(),
+                row.nulls.as_mut_ptr(),
+            );
+            rows.push(row);
+        }
+        rows
+    }
+}
 
 /// Writes one job per (subscription, event) pair the filters matched: the event (of the window's
-/// rows, $5) as the payload, `<subscription>:<event id>` as the key. A (subscription, event)
-/// whose job still waits is not queued twice (a rewound cursor, say), while two subscriptions
-/// feeding one queue each get their job. Keys given to `enqueue` live apart (index
-/// `jobs_waiting_key`): they cannot hide an event.
-const INSERT_SQL: &str = "\
-    INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler, max_attempts) \
-    SELECT m.queue, \
-           pg_catalog.to_jsonb(ROW(m.id, m.position, m.topic, m.subject, m.tenant, m.payload, m.headers, \
-                                   m.raised_at)::outbox.event), \
-           m.sub || ':' || m.id::text, m.id, m.sub, m.handler::pg_catalog.regprocedure, m.max_attempts \
-      FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::text[]), \
-                      pg_catalog.unnest($3::pg_catalog.oid[]), pg_catalog.unnest($4::int4[]), \
-                      pg_catalog.unnest($5::outbox.event[])) WITH ORDINALITY \
-           AS m(sub, queue, handler, max_attempts, id, position, topic, subject, tenant, payload, headers, \
-                raised_at, n) \
-     ORDER BY m.n \
-    ON CONFLICT (queue, subscription, event) WHERE subscription IS NOT NULL AND state = 'waiting' DO NOTHING";
+/// rows, $5) as the payload, `<subscription>:<event id>` as the key. Two subscriptions feeding one
+/// queue each get their job. Keys given to `enqueue` live apart (index `jobs_waiting_key`): they
+/// cannot hide an event.
+macro_rules! insert_jobs_sql {
+    () => {
+        "INSERT INTO outbox.jobs (queue, payload, key, event, subscription, handler, max_attempts) \
+         SELECT m.queue, \
+                pg_catalog.to_jsonb(ROW(m.id, m.position, m.topic, m.subject, m.tenant, m.payload, \
+                                        m.headers, m.raised_at)::outbox.event), \
+                m.sub || ':' || m.id::text, m.id, m.sub, m.handler::pg_catalog.regprocedure, m.max_attempts \
+           FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::text[]), \
+                           pg_catalog.unnest($3::pg_catalog.oid[]), pg_catalog.unnest($4::int4[]), \
+                           pg_catalog.unnest($5::outbox.event[])) WITH ORDINALITY \
+                AS m(sub, queue, handler, max_attempts, id, position, topic, subject, tenant, payload, \
+                     headers, raised_at, n) \
+          ORDER BY m.n"
+    };
+}
+const INSERT_SQL: &str = insert_jobs_sql!();
+
+/// INSERT_SQL where a (subscription, event) whose job still waits (a rewound cursor, say) is not
+/// queued twice. Run only once INSERT_SQL met one (`write_jobs`): the speculative insertion
+/// that ON CONFLICT makes of every row cost a quarter of a job's write.
+const INSERT_SKIPPING_WAITING_SQL: &str = concat!(
+    insert_jobs_sql!(),
+    " ON CONFLICT (queue, subscription, event) WHERE subscription IS NOT NULL AND state = 'waiting' DO NOTHING"
+);
 
 /// What a filter made of a window.
 #[derive(Default)]
@@ -215,9 +325,11 @@ struct Verdicts {
 }
 
 /// One fan-out pass over the subscriptions `names` that this worker can lease. Runs inside the
-/// worker's transaction. Subscriptions whose cursors are at the same position (the usual case:
-/// caught up) share one read of the window and one conversion of each event; each filter then
-/// runs on it.
+/// worker's transaction. Subscriptions read the log together: a window is read from the lowest
+/// cursor, and every subscription whose cursor falls inside it takes its events from that one
+/// read (and one conversion of each event); each filter then runs on the events past its own
+/// cursor. Subscriptions created or resumed at different times so end the pass at one position,
+/// and read together from then on.
 pub fn pass(names: &[&str]) -> PassResult {
     if names.is_empty() || !super::lock_tables() {
         return PassResult::Skipped;
@@ -225,7 +337,7 @@ pub fn pass(names: &[&str]) -> PassResult {
     // Tenants' filters run here: SIGTERM ends the worker at once, as inside a handler.
     let _tenant_code = crate::worker::TenantCode::enter();
     Spi::connect_mut(|client| {
-        let (subs, contended) = lease(client, names);
+        let (mut subs, contended) = lease(client, names);
         if subs.is_empty() {
             return if contended {
                 PassResult::Contended
@@ -233,22 +345,22 @@ pub fn pass(names: &[&str]) -> PassResult {
                 PassResult::Skipped
             };
         }
-        let mut groups: BTreeMap<Position, Vec<Subscription>> = BTreeMap::new();
-        for sub in subs {
-            groups.entry(sub.cursor).or_default().push(sub);
-        }
+        // By cursor (stable: by name within one cursor).
+        subs.sort_by_key(|s| s.cursor);
         let (mut matched, mut full) = (0usize, false);
         let mut any = false;
         let mut budget = InlineBudget {
             calls: INLINE_CALLS,
             time: INLINE_BUDGET,
         };
-        for (cursor, mut group) in groups {
-            if let Some((m, f)) = fan_out(client, cursor, &mut group, &mut budget) {
-                any = true;
-                matched += m;
-                full |= f;
-            }
+        while !subs.is_empty() {
+            // Nothing readable after the lowest cursor: nothing after the others either.
+            let Some((m, f)) = fan_out(client, &mut subs, &mut budget) else {
+                break;
+            };
+            any = true;
+            matched += m;
+            full |= f;
         }
         if !any {
             return if contended {
@@ -264,91 +376,59 @@ pub fn pass(names: &[&str]) -> PassResult {
     })
 }
 
-/// Fans one window after `cursor` out to `group` (subscriptions at that cursor): evaluates,
-/// writes the jobs, moves the cursors, counts. None when there is nothing to read.
+/// Reads one window after the lowest cursor of `waiting` (sorted by cursor) and fans it out to
+/// the subscriptions whose cursors fall inside it, taking them out of `waiting`: evaluates each
+/// event past a subscription's cursor, writes the jobs, moves the cursors, counts. None when there
+/// is nothing to read.
 fn fan_out(
     client: &mut SpiClient<'_>,
-    cursor: Position,
-    group: &mut [Subscription],
+    waiting: &mut Vec<Subscription>,
     budget: &mut InlineBudget,
 ) -> Option<(usize, bool)> {
-    let filters: Vec<&Rc<Filter>> = group
-        .iter()
-        .filter_map(|s| s.filter.as_ref().and_then(|f| f.as_ref().ok()))
-        .collect();
-    let uses = |v: &str| filters.iter().any(|f| f.uses(v));
-    // What every filter of the group reads, converted once per event for all of them.
-    let event_needs = Needs::of(filters.iter().map(|f| f.as_ref()));
-    let needs = [
-        uses("subject"),
-        uses("tenant"),
-        uses("payload"),
-        uses("headers"),
-        uses("raised_at"),
-    ];
-    let rows = plans::select(
-        client,
-        WINDOW_SQL,
-        None,
-        &[
-            DatumWithOid::from(cursor.txid.to_string()),
-            DatumWithOid::from(cursor.seq),
-            DatumWithOid::from(WINDOW),
-            DatumWithOid::from(needs[0]),
-            DatumWithOid::from(needs[1]),
-            DatumWithOid::from(needs[2]),
-            DatumWithOid::from(needs[3]),
-            DatumWithOid::from(needs[4]),
-            DatumWithOid::from(crate::settings::MAX_BATCH_BYTES.get() as i64),
-        ],
-    )
-    .expect("reading a fan-out window");
+    // What the filters read whole, as text; any subscription of `waiting` may join this window.
+    let read = Reads::of(waiting);
+    rows_of_window(client, waiting[0].cursor, &read);
+    let rows = deformed_rows();
+    // Cut before the payloads and headers pass the byte cap (never before the first event).
+    let max_bytes = crate::settings::MAX_BATCH_BYTES.get() as i64;
+    let (mut end, mut bytes) = (0, 0i64);
+    for row in &rows {
+        bytes += row.size(Column::Payload) + row.size(Column::Headers);
+        if end > 0 && bytes > max_bytes {
+            break;
+        }
+        end += 1;
+    }
+    let full = end < rows.len() || rows.len() >= WINDOW as usize;
+    let last = rows.get(end.checked_sub(1)?)?.position();
+    let inside = waiting.iter().take_while(|s| s.cursor < last).count();
+    let mut group: Vec<Subscription> = waiting.drain(..inside).collect();
+    let reads = Reads::of(&group);
+    let mut tupdesc: Option<pg_sys::TupleDesc> = None;
     let mut event_type = pg_sys::InvalidOid;
-    let count = rows.len();
     // The matches, as parallel arrays for INSERT_SQL, in the order of the window (then of the
-    // group, which is by name); the events are outbox.event datums of the window's rows.
+    // group, which is by cursor, then name); the events are outbox.event datums.
     let (mut subs, mut queues, mut handlers, mut attempts, mut events) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut last: Option<String> = None;
-    for row in rows {
+    for row in &rows[..end] {
         // Cancel and terminate are answered between events, and within an evaluation through the
         // filter budget's interrupt probe (set in worker::run).
         pg_sys::check_for_interrupts!();
-        let position: String = row.get(1).unwrap().expect("position");
-        let topic: String = row.get(2).unwrap().expect("topic");
+        let position = row.position();
+        let topic = row.text(Column::Topic).expect("topic");
         // Converted once, for every filter that looks at this event, and only if one does.
-        let mut context: Option<EventContext<'static>> = None;
-        for sub in group.iter_mut() {
-            if sub.stopped_at.is_some() || !sub.wants_topic(&topic) {
+        let mut reader = EventReader::new(row, topic, &reads);
+        // Made an outbox.event once, for every subscription that matched it.
+        let mut event: Option<pg_sys::Datum> = None;
+        for (sub, class) in group.iter_mut().zip(&reads.class_of) {
+            if position <= sub.cursor || sub.stopped_at.is_some() || !sub.wants_topic(topic) {
                 continue;
             }
             let verdict = match &sub.filter {
                 None => Ok(true),
                 Some(Err(e)) => Err(e.clone()),
                 Some(Ok(filter)) => {
-                    let context = context.get_or_insert_with(|| {
-                        let subject: Option<String> = row.get(3).unwrap();
-                        let tenant: Option<String> = row.get(4).unwrap();
-                        let payload = json(row.get::<String>(5).unwrap());
-                        let headers = json(row.get::<String>(6).unwrap());
-                        let raised_at: String = row.get(7).unwrap().unwrap_or_default();
-                        let unreadable = payload.as_ref().err().or(headers.as_ref().err());
-                        let fields = EventFields {
-                            topic: &topic,
-                            subject: subject.as_deref(),
-                            tenant: tenant.as_deref(),
-                            payload: payload.as_ref().unwrap_or(&serde_json::Value::Null),
-                            headers: headers.as_ref().unwrap_or(&serde_json::Value::Null),
-                            raised_at: &raised_at,
-                        };
-                        match unreadable {
-                            // Never handed over as null: a filter that reads it fails instead.
-                            Some(why) => {
-                                EventContext::unreadable(&fields, &event_needs, why.clone())
-                            }
-                            None => EventContext::for_needs(&fields, &event_needs),
-                        }
-                    });
+                    let context = reader.context(class.expect("a filter has a class"));
                     let started = std::time::Instant::now();
                     let verdict = filter.matches_in(context);
                     if pg_outbox_core::budget::interrupted() {
@@ -356,7 +436,7 @@ fn fan_out(
                     }
                     sub.spent += started.elapsed();
                     if sub.spent > PASS_FILTER_BUDGET {
-                        sub.stopped_at = Some(position.clone());
+                        sub.stopped_at = Some(position);
                     }
                     verdict
                 }
@@ -364,13 +444,17 @@ fn fan_out(
             match verdict {
                 Ok(true) => {
                     sub.verdicts.matches += 1;
-                    // The datum in the window's rows (not copied).
-                    let event = row
-                        .get::<pgrx::AnyElement>(8)
-                        .unwrap()
-                        .expect("the event")
-                        .datum();
-                    event_type = row.get(9).unwrap().expect("outbox.event");
+                    let event = *event.get_or_insert_with(|| {
+                        event_type = pg_sys::Oid::from(
+                            row.get(Column::EventType).expect("outbox.event").value() as u32,
+                        );
+                        let tupdesc = *tupdesc.get_or_insert_with(|| {
+                            // SAFETY: outbox.event is a composite type; the copy lives in the
+                            // current memory context, as long as the datums made with it.
+                            unsafe { pg_sys::lookup_rowtype_tupdesc_copy(event_type, -1) }
+                        });
+                        row.event(tupdesc)
+                    });
                     if let Some(inline) = sub.inline.as_mut() {
                         inline.push(event);
                         continue;
@@ -388,9 +472,7 @@ fn fan_out(
                 }
             }
         }
-        last = Some(position);
     }
-    let last: Position = last?.parse().expect("positions are well-formed");
     // A handler subscription's matches run now, in this transaction; what did not (a call that
     // failed, the pass's time for them used up) is written as jobs like any other match.
     for sub in group.iter_mut() {
@@ -417,32 +499,28 @@ fn fan_out(
         for queue in announced {
             crate::worker::announce_at_commit(queue, None);
         }
-        plans::update(
-            client,
-            INSERT_SQL,
-            None,
-            &[
-                DatumWithOid::from(subs),
-                DatumWithOid::from(queues),
-                DatumWithOid::from(handlers),
-                DatumWithOid::from(attempts),
-                // SAFETY: an outbox.event[] built in this SPI connection, still alive.
-                unsafe {
-                    DatumWithOid::new(
-                        event_array(&events, event_type),
-                        pg_sys::get_array_type(event_type),
-                    )
-                },
-            ],
-        )
-        .expect("writing jobs");
+        // SAFETY: an outbox.event[] built in this SPI connection, still alive.
+        let events = unsafe {
+            DatumWithOid::new(
+                event_array(&events, event_type),
+                pg_sys::get_array_type(event_type),
+            )
+        };
+        let args = [
+            DatumWithOid::from(subs),
+            DatumWithOid::from(queues),
+            DatumWithOid::from(handlers),
+            DatumWithOid::from(attempts),
+            events,
+        ];
+        write_jobs(client, &args, budget);
     }
     let mut stopped = false;
     for sub in group.iter() {
         match &sub.stopped_at {
             Some(at) => {
                 stopped = true;
-                cursor::save(&sub.name, at.parse().expect("positions are well-formed"));
+                cursor::save(&sub.name, *at);
             }
             None => {
                 cursor::save(&sub.name, last);
@@ -484,8 +562,220 @@ fn fan_out(
             ],
         )
         .expect("counting fan-out");
-    // A subscription stopped short has more to read: come back at once.
-    Some((matched, stopped || count >= WINDOW as usize))
+    // A subscription stopped short, or a window cut short, has more to read: come back at once.
+    Some((matched, stopped || full))
+}
+
+/// Writes the jobs of INSERT_SQL's `args`. A job of the same (subscription, event) still waiting
+/// makes the INSERT fail on index `jobs_waiting_event` (the only unique index a fan-out job can
+/// meet): it is tried in a subtransaction, and on that failure again skipping those. A pass out
+/// of subtransactions (`InlineBudget::calls`) skips them at once.
+fn write_jobs(client: &mut SpiClient<'_>, args: &[DatumWithOid<'_>], budget: &mut InlineBudget) {
+    if budget.calls > 0 {
+        budget.calls -= 1;
+        let plain = crate::transaction::in_subtransaction(|| {
+            plans::update(client, INSERT_SQL, None, args).unwrap_or_else(|e| panic!("{e}"));
+        });
+        match plain {
+            Ok(()) => return,
+            Err(failure) if failure.sqlstate == "23505" => {}
+            Err(failure) => panic!("writing jobs: {failure}"),
+        }
+    }
+    plans::update(client, INSERT_SKIPPING_WAITING_SQL, None, args).expect("writing jobs");
+}
+
+/// Runs WINDOW_SQL after `cursor`, with the text columns `reads` asks for; its rows are then
+/// SPI's last result (`deformed_rows`).
+fn rows_of_window(client: &mut SpiClient<'_>, cursor: Position, reads: &Reads) {
+    plans::select(
+        client,
+        WINDOW_SQL,
+        None,
+        &[
+            DatumWithOid::from(cursor.txid.to_string()),
+            DatumWithOid::from(cursor.seq),
+            DatumWithOid::from(WINDOW),
+            DatumWithOid::from(reads.whole("payload")),
+            DatumWithOid::from(reads.whole("headers")),
+            DatumWithOid::from(reads.uses("raised_at")),
+        ],
+    )
+    .expect("reading a fan-out window");
+}
+
+/// What the filters of a window read of each event: each filter's share (filters that read the
+/// same share one context per event), and together what the window's text columns and the
+/// fields read from the binary values must hold. A filter's verdict so depends on what it reads
+/// alone, never on which other filters share its window.
+struct Reads {
+    /// The distinct needs of the filters.
+    classes: Vec<Needs>,
+    /// Each subscription's class (in the order given), None without a filter.
+    class_of: Vec<Option<usize>>,
+    /// The fields of payload and of headers some class selects by name.
+    payload_keys: Vec<String>,
+    headers_keys: Vec<String>,
+}
+
+impl Reads {
+    fn of(subs: &[Subscription]) -> Reads {
+        let mut reads = Reads {
+            classes: Vec::new(),
+            class_of: Vec::new(),
+            payload_keys: Vec::new(),
+            headers_keys: Vec::new(),
+        };
+        for sub in subs {
+            let class = sub.filter.as_ref().and_then(|f| f.as_ref().ok()).map(|f| {
+                let needs = Needs::of([f.as_ref()]);
+                match reads.classes.iter().position(|c| *c == needs) {
+                    Some(i) => i,
+                    None => {
+                        reads.classes.push(needs);
+                        reads.classes.len() - 1
+                    }
+                }
+            });
+            reads.class_of.push(class);
+        }
+        for class in &reads.classes {
+            reads
+                .payload_keys
+                .extend(class.payload_fields().into_iter().flatten().cloned());
+            reads
+                .headers_keys
+                .extend(class.headers_fields().into_iter().flatten().cloned());
+        }
+        for keys in [&mut reads.payload_keys, &mut reads.headers_keys] {
+            keys.sort_unstable();
+            keys.dedup();
+        }
+        reads
+    }
+
+    /// Whether some filter reads `variable` (payload, headers) whole: its text is read then.
+    fn whole(&self, variable: &str) -> bool {
+        self.classes.iter().any(|c| {
+            c.uses(variable)
+                && if variable == "payload" {
+                    c.payload_fields().is_none()
+                } else {
+                    c.headers_fields().is_none()
+                }
+        })
+    }
+
+    fn uses(&self, variable: &str) -> bool {
+        self.classes.iter().any(|c| c.uses(variable))
+    }
+}
+
+/// One event as the filters read it: its JSON read once (the fields some filter selects, the
+/// whole values some filter reads), a context built once per class of filters.
+struct EventReader<'w> {
+    row: &'w Row,
+    topic: &'w str,
+    reads: &'w Reads,
+    payload_fields: Option<crate::raw::Fields>,
+    headers_fields: Option<crate::raw::Fields>,
+    payload_whole: Option<Result<serde_json::Value, String>>,
+    headers_whole: Option<Result<serde_json::Value, String>>,
+    contexts: Vec<Option<EventContext<'static>>>,
+}
+
+impl<'w> EventReader<'w> {
+    fn new(row: &'w Row, topic: &'w str, reads: &'w Reads) -> Self {
+        EventReader {
+            row,
+            topic,
+            reads,
+            payload_fields: None,
+            headers_fields: None,
+            payload_whole: None,
+            headers_whole: None,
+            contexts: (0..reads.classes.len()).map(|_| None).collect(),
+        }
+    }
+
+    /// The context of filters of class `class`.
+    fn context(&mut self, class: usize) -> &EventContext<'static> {
+        if self.contexts[class].is_none() {
+            let needs = &self.reads.classes[class];
+            let payload = self.json(true, needs);
+            let headers = self.json(false, needs);
+            let unreadable = payload.as_ref().err().or(headers.as_ref().err());
+            let fields = EventFields {
+                topic: self.topic,
+                subject: self.row.text(Column::Subject),
+                tenant: self.row.text(Column::Tenant),
+                payload: payload.as_ref().unwrap_or(&serde_json::Value::Null),
+                headers: headers.as_ref().unwrap_or(&serde_json::Value::Null),
+                raised_at: self.row.text(Column::RaisedAtText).unwrap_or_default(),
+            };
+            self.contexts[class] = Some(match unreadable {
+                // Never handed over as null: a filter that reads it fails instead.
+                Some(why) => EventContext::unreadable(&fields, needs, why.clone()),
+                None => EventContext::for_needs(&fields, needs),
+            });
+        }
+        self.contexts[class].as_ref().expect("built above")
+    }
+
+    /// Payload (or headers) as `needs` reads it: the fields it selects, or the whole value.
+    fn json(&mut self, payload: bool, needs: &Needs) -> Result<serde_json::Value, String> {
+        let (variable, binary, text, selected, keys, fields, whole) = if payload {
+            (
+                "payload",
+                Column::Payload,
+                Column::PayloadText,
+                needs.payload_fields(),
+                &self.reads.payload_keys,
+                &mut self.payload_fields,
+                &mut self.payload_whole,
+            )
+        } else {
+            (
+                "headers",
+                Column::Headers,
+                Column::HeadersText,
+                needs.headers_fields(),
+                &self.reads.headers_keys,
+                &mut self.headers_fields,
+                &mut self.headers_whole,
+            )
+        };
+        if !needs.uses(variable) {
+            return Ok(serde_json::Value::Null);
+        }
+        let row = self.row;
+        let read = match selected {
+            Some(selected) => {
+                let all = fields.get_or_insert_with(|| match row.get(binary) {
+                    None => crate::raw::Fields::NotAnObject(Ok(serde_json::Value::Null)),
+                    Some(d) => crate::raw::RawJsonb(d).fields(keys),
+                });
+                match all {
+                    crate::raw::Fields::NotAnObject(v) => v.clone(),
+                    crate::raw::Fields::Of(all) => selected
+                        .iter()
+                        .filter_map(|key| all.iter().find(|(k, _)| k == key))
+                        .map(|(k, v)| v.clone().map(|v| (k.clone(), v)))
+                        .collect::<Result<serde_json::Map<_, _>, _>>()
+                        .map(serde_json::Value::Object),
+                }
+            }
+            None => whole
+                .get_or_insert_with(|| {
+                    row.text(text).map_or(Ok(serde_json::Value::Null), |t| {
+                        serde_json::from_str(t).map_err(|e| e.to_string())
+                    })
+                })
+                .clone(),
+        };
+        // serde_json's recursion limit is 128 levels, and PostgreSQL's jsonb allows deeper.
+        read.map_err(|e| format!("the event's JSON cannot be read by filters: {e}"))
+    }
 }
 
 /// Matches run per handler call in the fan-out pass: the first call gets [`INLINE_FIRST`], and
@@ -504,8 +794,9 @@ const INLINE_BUDGET: std::time::Duration = std::time::Duration::from_millis(100)
 /// handler is too slow to run in a pass at all (see [`QUEUED_AFTER_OVERRUN`]).
 const INLINE_CALL_TIMEOUT_MS: i32 = 100;
 
-/// Handler calls in one pass, each a subtransaction: the transaction's subtransaction ids stay
-/// within the cache every backend keeps (64), so nobody's snapshots overflow to pg_subtrans.
+/// Subtransactions in one pass (a handler call each, and a window's job INSERT): the
+/// transaction's subtransaction ids stay within the cache every backend keeps (64), so nobody's
+/// snapshots overflow to pg_subtrans.
 const INLINE_CALLS: usize = 32;
 
 /// How long a subscription whose handler call overran the pass's time has its matches queued.
@@ -663,16 +954,6 @@ fn run_inline(
         }
     }
     ran
-}
-
-/// An event's payload or headers as JSON for filters; an error when the parser refuses it (its
-/// recursion limit is 128 levels, and PostgreSQL's jsonb allows deeper).
-fn json(text: Option<String>) -> Result<serde_json::Value, String> {
-    match text {
-        None => Ok(serde_json::Value::Null),
-        Some(t) => serde_json::from_str(&t)
-            .map_err(|e| format!("the event's JSON cannot be read by filters: {e}")),
-    }
 }
 
 /// The subscriptions that are not paused (name, has a handler), rotated so that workers start

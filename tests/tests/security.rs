@@ -1189,7 +1189,11 @@ fn a_payload_too_deep_for_filters_is_a_predicate_error_not_a_null() {
             "CREATE TABLE loyalty.got (sub text);
              CREATE FUNCTION loyalty.h(e outbox.event) RETURNS void LANGUAGE sql AS
                $$ INSERT INTO loyalty.got VALUES (e.topic) $$;
-             SELECT outbox.subscribe('reads_payload', ARRAY['#'], 'loyalty.h(outbox.event)',
+             SELECT outbox.subscribe('reads_deep', ARRAY['#'], 'loyalty.h(outbox.event)',
+                                     filter => 'has(payload.a)');
+             SELECT outbox.subscribe('reads_whole', ARRAY['#'], 'loyalty.h(outbox.event)',
+                                     filter => 'size(payload) == 1');
+             SELECT outbox.subscribe('reads_other', ARRAY['#'], 'loyalty.h(outbox.event)',
                                      filter => '!has(payload.zzz)');
              SELECT outbox.subscribe('reads_topic', ARRAY['#'], 'loyalty.h(outbox.event)',
                                      filter => 'topic == \"deep\"');",
@@ -1200,27 +1204,36 @@ fn a_payload_too_deep_for_filters_is_a_predicate_error_not_a_null() {
         "SELECT outbox.raise('deep', (repeat('{\"a\":', 200) || '1' || repeat('}', 200))::jsonb)",
     )
     .unwrap();
+    // A filter that reads only a field the event lacks is handed just that (it is absent).
     eventually(
-        "the topic filter's job to run",
+        "the topic filter's and the other field's jobs to run",
         Duration::from_secs(20),
-        || (count(&mut su, "SELECT count(*) FROM loyalty.got") == 1).then_some(()),
+        || (count(&mut su, "SELECT count(*) FROM loyalty.got") == 2).then_some(()),
     );
-    let (errors, last): (i64, String) = eventually(
-        "the payload filter's error",
-        Duration::from_secs(10),
-        || {
-            let r = su
-            .query_one(
-                "SELECT predicate_errors::int8, coalesce(last_error, '') FROM outbox.status() WHERE name = 'reads_payload'",
-                &[],
-            )
-            .unwrap();
-            let errors: i64 = r.get(0);
-            (errors == 1).then(|| (errors, r.get(1)))
-        },
+    // One that reads the deep value, or the whole payload, fails on it: never handed a null.
+    for sub in ["reads_deep", "reads_whole"] {
+        let last: String = eventually(
+            "the payload filter's error",
+            Duration::from_secs(10),
+            || {
+                let r = su
+                    .query_one(
+                        "SELECT predicate_errors::int8, coalesce(last_error, '') FROM outbox.status() WHERE name = $1",
+                        &[&sub],
+                    )
+                    .unwrap();
+                (r.get::<_, i64>(0) == 1).then(|| r.get(1))
+            },
+        );
+        assert!(last.contains("cannot be read by filters"), "{sub}: {last}");
+    }
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT matched FROM outbox.subscriptions WHERE name = 'reads_other'"
+        ),
+        1
     );
-    assert_eq!(errors, 1);
-    assert!(last.contains("cannot be read by filters"), "{last}");
 }
 
 #[test]

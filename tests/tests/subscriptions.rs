@@ -723,3 +723,154 @@ fn a_rewound_handler_does_not_run_an_event_whose_job_still_waits() {
         "once each"
     );
 }
+
+#[test]
+fn subscriptions_behind_one_another_read_one_window_and_a_rewind_queues_nothing_twice() {
+    let db = worker_db("sub_together");
+    let mut c = db.connect();
+    let start: String = c
+        .query_one(
+            "SELECT outbox.subscribe('early', NULL, queue => 'q_early')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    c.batch_execute(
+        "SELECT outbox.subscribe('late', NULL, queue => 'q_late', filter => 'payload.n % 2 == 0');
+         SELECT outbox.pause_subscription('late');
+         SELECT outbox.raise('t', jsonb_build_object('n', n)) FROM generate_series(1, 200) n;",
+    )
+    .unwrap();
+    eventually("early to read 200", Duration::from_secs(30), || {
+        (count(
+            &mut c,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'q_early'",
+        ) == 200)
+            .then_some(())
+    });
+    // late resumes 200 events behind early: the next window is read from late's cursor, and
+    // early takes from it only the events past its own.
+    c.batch_execute(
+        "SELECT outbox.resume_subscription('late');
+         SELECT outbox.raise('t', jsonb_build_object('n', n)) FROM generate_series(201, 400) n;",
+    )
+    .unwrap();
+    caught_up(&mut c);
+    assert_eq!(queued(&mut c, "q_early"), (1..=400).collect());
+    assert_eq!(
+        queued(&mut c, "q_late"),
+        (1..=400).filter(|n| n % 2 == 0).collect()
+    );
+    // Every event evaluated once per subscription: a job waiting already would hide a second
+    // evaluation from the queue, not from the counts.
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT matched + skipped FROM outbox.subscriptions WHERE name = 'early'"
+        ),
+        400
+    );
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT matched + skipped FROM outbox.subscriptions WHERE name = 'late'"
+        ),
+        400
+    );
+    // Both at one cursor now: one window for both.
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(DISTINCT (txid, seq)) FROM outbox.consumers WHERE kind = 'subscription'"
+        ),
+        1
+    );
+    // Jobs of 1..100 done; early rewound to its start: those are queued again, the 300 that
+    // still wait are not queued twice, and the pass that met them goes through.
+    c.batch_execute(
+        "DELETE FROM outbox.jobs WHERE queue = 'q_early' AND (payload->'payload'->>'n')::int <= 100",
+    )
+    .unwrap();
+    c.query_one("SELECT outbox.rewind('early', $1)", &[&start])
+        .unwrap();
+    eventually("the rewound pass", Duration::from_secs(30), || {
+        (count(
+            &mut c,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'q_early'",
+        ) == 400)
+            .then_some(())
+    });
+    caught_up(&mut c);
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'q_early'"
+        ),
+        400,
+        "none twice"
+    );
+    assert_eq!(queued(&mut c, "q_early"), (1..=400).collect());
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.subscriptions WHERE last_predicate_error IS NOT NULL"
+        ),
+        0
+    );
+}
+
+#[test]
+fn filters_see_the_fields_they_select_as_they_would_see_the_whole_payload() {
+    let db = worker_db("sub_fields");
+    let mut c = db.connect();
+    // Each predicate holds for the one event below, read field by field from the stored jsonb
+    // (a filter that selects fields by name) or whole (one that does not): the same values.
+    let predicates = [
+        // int + int, double + double: a mix has no overload, so these tell the two apart.
+        "payload.i + 1 == 4",
+        "payload.neg + 1 == -6",
+        "payload.f + 0.5 == 2.0",
+        // jsonb keeps 2.0 as written: a double, as the text of the whole payload says.
+        "payload.two + 0.5 == 2.5",
+        "payload.big + 0.5 > 1e29",
+        r#"payload.s == "é \"q\" \\ \n""#,
+        r#"payload.o.k == "v" && payload.o.n[1] == 2"#,
+        "payload.a[2] == 3 && size(payload.a) == 3",
+        "payload.z == null && payload.b == true",
+        "!has(payload.missing) && has(payload.other)",
+        r#"headers.trace == "t-1""#,
+        // Whole: size of the payload, its keys.
+        r#"size(payload) == 11 && "i" in payload"#,
+    ];
+    for (i, p) in predicates.iter().enumerate() {
+        c.execute(
+            "SELECT outbox.subscribe($1, NULL, queue => 'fields', filter => $2)",
+            &[&format!("p{i}"), p],
+        )
+        .unwrap();
+    }
+    c.batch_execute(
+        r#"SELECT outbox.raise('t', '{"i": 3, "neg": -7, "f": 1.5, "two": 2.0, "big": 1e30,
+                                      "s": "é \"q\" \\ \n", "o": {"k": "v", "n": [1, 2]},
+                                      "a": [1, 2, 3], "z": null, "b": true, "other": "x"}',
+                                headers => '{"trace": "t-1"}');
+           SELECT outbox.raise('t', '{"i": 4}');"#,
+    )
+    .unwrap();
+    caught_up(&mut c);
+    let rows = c
+        .query(
+            "SELECT name, matched, skipped, predicate_errors, last_predicate_error FROM outbox.subscriptions ORDER BY name",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(rows.len(), predicates.len());
+    for r in rows {
+        let name: String = r.get(0);
+        let p = predicates[name[1..].parse::<usize>().unwrap()];
+        let (matched, skipped, errors): (i64, i64, i64) = (r.get(1), r.get(2), r.get(3));
+        let error: Option<String> = r.get(4);
+        // The second event lacks the fields: false or an error, never a match.
+        assert_eq!((matched, skipped + errors), (1, 1), "{p}: {error:?}");
+    }
+}

@@ -71,6 +71,8 @@ struct Subscription {
     /// A subscription with a handler: its matches in this window, to run in this pass
     /// (`run_inline`) rather than be written as jobs. None: they are written as jobs.
     inline: Option<Vec<pg_sys::Datum>>,
+    /// Windows it read in this pass.
+    windows: usize,
 }
 
 /// The time one subscription's filter may take in one pass. Every subscription at the same cursor
@@ -164,6 +166,7 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
             spent: std::time::Duration::ZERO,
             stopped_at: None,
             inline: None,
+            windows: 0,
         });
     }
     for sub in subs.iter_mut() {
@@ -355,12 +358,24 @@ pub fn pass(names: &[&str]) -> PassResult {
         };
         while !subs.is_empty() {
             // Nothing readable after the lowest cursor: nothing after the others either.
-            let Some((m, f)) = fan_out(client, &mut subs, &mut budget) else {
+            let Some((m, f, group)) = fan_out(client, &mut subs, &mut budget) else {
                 break;
             };
             any = true;
             matched += m;
-            full |= f;
+            // Subscriptions behind others not read yet in this pass read on, up to a few
+            // windows, so that they join those: staggered cursors (subscriptions resumed one
+            // after another, say) would otherwise each cost a window read per pass for good.
+            let behind_others = subs.iter().any(|s| s.windows == 0);
+            for sub in group {
+                if f && behind_others && sub.windows < CATCH_UP_WINDOWS && sub.stopped_at.is_none()
+                {
+                    let at = subs.partition_point(|s| s.cursor <= sub.cursor);
+                    subs.insert(at, sub);
+                } else {
+                    full |= f;
+                }
+            }
         }
         if !any {
             return if contended {
@@ -384,7 +399,7 @@ fn fan_out(
     client: &mut SpiClient<'_>,
     waiting: &mut Vec<Subscription>,
     budget: &mut InlineBudget,
-) -> Option<(usize, bool)> {
+) -> Option<(usize, bool, Vec<Subscription>)> {
     // What the filters read whole, as text; any subscription of `waiting` may join this window.
     let read = Reads::of(waiting);
     rows_of_window(client, waiting[0].cursor, &read);
@@ -562,9 +577,21 @@ fn fan_out(
             ],
         )
         .expect("counting fan-out");
+    // Ready for another window in this pass: at its new cursor, its verdicts counted.
+    for sub in group.iter_mut() {
+        sub.cursor = sub.stopped_at.unwrap_or(last);
+        sub.windows += 1;
+        sub.verdicts = Verdicts::default();
+        if sub.handler.is_some() && crate::worker::runs_inline(&sub.name) {
+            sub.inline = Some(Vec::new());
+        }
+    }
     // A subscription stopped short, or a window cut short, has more to read: come back at once.
-    Some((matched, stopped || full))
+    Some((matched, stopped || full, group))
 }
+
+/// The windows a subscription behind others may read in one pass to join them (`pass`).
+const CATCH_UP_WINDOWS: usize = 4;
 
 /// Writes the jobs of INSERT_SQL's `args`. A job of the same (subscription, event) still waiting
 /// makes the INSERT fail on index `jobs_waiting_event` (the only unique index a fan-out job can

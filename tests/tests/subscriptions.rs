@@ -738,28 +738,29 @@ fn subscriptions_behind_one_another_read_one_window_and_a_rewind_queues_nothing_
     c.batch_execute(
         "SELECT outbox.subscribe('late', NULL, queue => 'q_late', filter => 'payload.n % 2 == 0');
          SELECT outbox.pause_subscription('late');
-         SELECT outbox.raise('t', jsonb_build_object('n', n)) FROM generate_series(1, 200) n;",
+         SELECT outbox.raise('t', jsonb_build_object('n', n)) FROM generate_series(1, 2500) n;",
     )
     .unwrap();
-    eventually("early to read 200", Duration::from_secs(30), || {
+    eventually("early to read 2500", Duration::from_secs(30), || {
         (count(
             &mut c,
             "SELECT count(*) FROM outbox.jobs WHERE queue = 'q_early'",
-        ) == 200)
+        ) == 2500)
             .then_some(())
     });
-    // late resumes 200 events behind early: the next window is read from late's cursor, and
-    // early takes from it only the events past its own.
+    // late resumes 2,500 events (two and a half windows) behind early: it reads on in the pass
+    // until its window reaches early's cursor, and early takes from that window only the events
+    // past its own.
     c.batch_execute(
         "SELECT outbox.resume_subscription('late');
-         SELECT outbox.raise('t', jsonb_build_object('n', n)) FROM generate_series(201, 400) n;",
+         SELECT outbox.raise('t', jsonb_build_object('n', n)) FROM generate_series(2501, 2700) n;",
     )
     .unwrap();
     caught_up(&mut c);
-    assert_eq!(queued(&mut c, "q_early"), (1..=400).collect());
+    assert_eq!(queued(&mut c, "q_early"), (1..=2700).collect());
     assert_eq!(
         queued(&mut c, "q_late"),
-        (1..=400).filter(|n| n % 2 == 0).collect()
+        (1..=2700).filter(|n| n % 2 == 0).collect()
     );
     // Every event evaluated once per subscription: a job waiting already would hide a second
     // evaluation from the queue, not from the counts.
@@ -768,14 +769,14 @@ fn subscriptions_behind_one_another_read_one_window_and_a_rewind_queues_nothing_
             &mut c,
             "SELECT matched + skipped FROM outbox.subscriptions WHERE name = 'early'"
         ),
-        400
+        2700
     );
     assert_eq!(
         count(
             &mut c,
             "SELECT matched + skipped FROM outbox.subscriptions WHERE name = 'late'"
         ),
-        400
+        2700
     );
     // Both at one cursor now: one window for both.
     assert_eq!(
@@ -785,7 +786,7 @@ fn subscriptions_behind_one_another_read_one_window_and_a_rewind_queues_nothing_
         ),
         1
     );
-    // Jobs of 1..100 done; early rewound to its start: those are queued again, the 300 that
+    // Jobs of 1..100 done; early rewound to its start: those are queued again, the 2,600 that
     // still wait are not queued twice, and the pass that met them goes through.
     c.batch_execute(
         "DELETE FROM outbox.jobs WHERE queue = 'q_early' AND (payload->'payload'->>'n')::int <= 100",
@@ -797,7 +798,7 @@ fn subscriptions_behind_one_another_read_one_window_and_a_rewind_queues_nothing_
         (count(
             &mut c,
             "SELECT count(*) FROM outbox.jobs WHERE queue = 'q_early'",
-        ) == 400)
+        ) == 2700)
             .then_some(())
     });
     caught_up(&mut c);
@@ -806,10 +807,10 @@ fn subscriptions_behind_one_another_read_one_window_and_a_rewind_queues_nothing_
             &mut c,
             "SELECT count(*) FROM outbox.jobs WHERE queue = 'q_early'"
         ),
-        400,
+        2700,
         "none twice"
     );
-    assert_eq!(queued(&mut c, "q_early"), (1..=400).collect());
+    assert_eq!(queued(&mut c, "q_early"), (1..=2700).collect());
     assert_eq!(
         count(
             &mut c,

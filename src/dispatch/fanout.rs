@@ -26,8 +26,18 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
-/// Events read per pass. Jobs are small rows; a larger window amortises the pass.
-pub const WINDOW: i32 = 1000;
+/// Events read per window, for as many subscriptions as read it: a pass costs the same whatever
+/// it reads (its leases, its statements, its commit), so a window for one subscription is larger,
+/// up to `WINDOW_MAX`; for many it is `WINDOW`, and its evaluations (`WINDOW_EVALUATIONS`) take
+/// about as long as one subscription's largest window.
+const WINDOW: usize = 1000;
+const WINDOW_MAX: usize = 8000;
+const WINDOW_EVALUATIONS: usize = 8000;
+
+/// The window for `subscriptions` reading it together.
+fn window_for(subscriptions: usize) -> usize {
+    (WINDOW_EVALUATIONS / subscriptions.max(1)).clamp(WINDOW, WINDOW_MAX)
+}
 
 thread_local! {
     /// Compiled filters of this process, by subscription, with the source they were compiled
@@ -402,7 +412,14 @@ fn fan_out(
 ) -> Option<(usize, bool, Vec<Subscription>)> {
     // What the filters read whole, as text; any subscription of `waiting` may join this window.
     let read = Reads::of(waiting);
-    rows_of_window(client, waiting[0].cursor, &read);
+    // A handler's matches run in the pass, within its time and subtransactions (`run_inline`):
+    // its window stays at what those can take.
+    let window = if waiting.iter().any(|s| s.inline.is_some()) {
+        WINDOW
+    } else {
+        window_for(waiting.len())
+    };
+    rows_of_window(client, waiting[0].cursor, window, &read);
     let rows = deformed_rows();
     // Cut before the payloads and headers pass the byte cap (never before the first event).
     let max_bytes = crate::settings::MAX_BATCH_BYTES.get() as i64;
@@ -414,7 +431,7 @@ fn fan_out(
         }
         end += 1;
     }
-    let full = end < rows.len() || rows.len() >= WINDOW as usize;
+    let full = end < rows.len() || rows.len() >= window;
     let last = rows.get(end.checked_sub(1)?)?.position();
     let inside = waiting.iter().take_while(|s| s.cursor < last).count();
     let mut group: Vec<Subscription> = waiting.drain(..inside).collect();
@@ -614,7 +631,7 @@ fn write_jobs(client: &mut SpiClient<'_>, args: &[DatumWithOid<'_>], budget: &mu
 
 /// Runs WINDOW_SQL after `cursor`, with the text columns `reads` asks for; its rows are then
 /// SPI's last result (`deformed_rows`).
-fn rows_of_window(client: &mut SpiClient<'_>, cursor: Position, reads: &Reads) {
+fn rows_of_window(client: &mut SpiClient<'_>, cursor: Position, window: usize, reads: &Reads) {
     plans::select(
         client,
         WINDOW_SQL,
@@ -622,7 +639,7 @@ fn rows_of_window(client: &mut SpiClient<'_>, cursor: Position, reads: &Reads) {
         &[
             DatumWithOid::from(cursor.txid.to_string()),
             DatumWithOid::from(cursor.seq),
-            DatumWithOid::from(WINDOW),
+            DatumWithOid::from(window as i32),
             DatumWithOid::from(reads.whole("payload")),
             DatumWithOid::from(reads.whole("headers")),
             DatumWithOid::from(reads.uses("raised_at")),

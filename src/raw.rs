@@ -239,6 +239,21 @@ impl RawJsonb {
     }
 }
 
+impl RawJsonb {
+    /// The whole value as JSON: printed as jsonb_out prints it, and parsed.
+    pub fn whole(self) -> Result<serde_json::Value, String> {
+        // SAFETY: the datum is a non-null jsonb, detoasted (aligned) into the current memory
+        // context; its root container is printed there and read before returning.
+        unsafe {
+            let jsonb = pg_sys::pg_detoast_datum(self.0.cast_mut_ptr()).cast::<pg_sys::Jsonb>();
+            container_json(
+                std::ptr::addr_of_mut!((*jsonb).root),
+                pgrx::varlena::varsize_any(jsonb.cast()) as std::ffi::c_int,
+            )
+        }
+    }
+}
+
 /// A JsonbValue found in a container (a scalar, or a nested container), as JSON.
 ///
 /// # Safety

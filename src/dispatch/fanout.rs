@@ -20,6 +20,7 @@ use pg_outbox_core::filter::{EventContext, EventFields, Filter, Needs};
 use pg_outbox_core::pattern::Pattern;
 use pg_outbox_core::Position;
 use pgrx::datum::DatumWithOid;
+use pgrx::memcxt::PgMemoryContexts;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 use std::cell::RefCell;
@@ -188,16 +189,16 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
 }
 
 /// The window: the read rule's next events after a cursor ($1, $2), at most $3, with the log's
-/// columns as they are (`Column`); the byte cap is applied while reading them (`fan_out`), and an
-/// event is made an outbox.event only once a filter matched it. As text only what filters read
-/// whole ($4 payload, $5 headers, $6 raised_at say which); the fields of payload and headers they
-/// select by name are read from the binary values (`RawJsonb::fields`).
+/// columns as they are (`Column`): values stored out of line stay so, and the byte cap is applied
+/// while reading them (`fan_out`); an event is made an outbox.event only once a filter matched
+/// it, and its payload and headers are read for filters only then too (`EventReader`). As text
+/// only raised_at, when a filter reads it ($4).
 const WINDOW_SQL: &str = "\
     SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at, \
-           CASE WHEN $4 THEN r.payload::text END, CASE WHEN $5 THEN r.headers::text END, \
-           CASE WHEN $6 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END, \
+           CASE WHEN $4 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END, \
            'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
-      FROM outbox._read_log($1::pg_catalog.xid8, $2, $3) r";
+      FROM outbox._read_log($1::pg_catalog.xid8, $2, $3) r \
+     ORDER BY r.txid, r.seq";
 
 /// The columns of `WINDOW_SQL`, as `Row` holds them.
 #[derive(Clone, Copy)]
@@ -211,12 +212,10 @@ enum Column {
     Payload,
     Headers,
     RaisedAt,
-    PayloadText,
-    HeadersText,
     RaisedAtText,
     EventType,
 }
-const COLUMNS: usize = 13;
+const COLUMNS: usize = 11;
 
 /// One row of the window, deformed once (SPI's per-column access walks the tuple again for each
 /// column after a variable-length one).
@@ -263,20 +262,26 @@ impl Row {
         // are alive (the window's rows, the text just made). HeapTupleHeaderGetDatum flattens
         // values stored out of line into the composite, as a composite datum must be.
         unsafe {
+            assert_eq!(
+                (*tupdesc).natts as usize,
+                columns.len(),
+                "outbox.event's columns"
+            );
             let tuple = pg_sys::heap_form_tuple(tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
             pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
         }
     }
 }
 
-/// The rows of the result the last SPI statement returned, deformed.
-fn deformed_rows() -> Vec<Row> {
+/// The rows of the result the last SPI statement returned, deformed, and that result (to free
+/// once they are no longer used: SPI keeps every result until the connection ends).
+fn deformed_rows() -> (Vec<Row>, *mut pg_sys::SPITupleTable) {
     // SAFETY: called right after the window's SELECT, whose result SPI_tuptable is (alive until
     // the SPI connection ends); it has COLUMNS columns.
     unsafe {
         let table = pg_sys::SPI_tuptable;
         if table.is_null() {
-            return Vec::new();
+            return (Vec::new(), table);
         }
         let tupdesc = (*table).tupdesc;
         assert_eq!((*tupdesc).natts as usize, COLUMNS, "the window's columns");
@@ -295,8 +300,27 @@ fn deformed_rows() -> Vec<Row> {
             );
             rows.push(row);
         }
-        rows
+        (rows, table)
     }
+}
+
+/// Runs `f` with `cx` as the current memory context (back to the one before afterwards; an
+/// error aborts the transaction, which resets it anyway).
+fn allocating_in<R>(cx: pg_sys::MemoryContext, f: impl FnOnce() -> R) -> R {
+    // SAFETY: `cx` is a live memory context of this transaction.
+    unsafe {
+        let before = pg_sys::MemoryContextSwitchTo(cx);
+        let result = f();
+        pg_sys::MemoryContextSwitchTo(before);
+        result
+    }
+}
+
+thread_local! {
+    /// The most events the next window reads, after a window the byte cap cut short: about
+    /// twice what that one held (growing back by doubling), so that large events are not read
+    /// by the thousand to keep a few. None: the window's size.
+    static NEXT_LIMIT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
 }
 
 /// Writes one job per (subscription, event) pair the filters matched: the event (of the window's
@@ -365,6 +389,7 @@ pub fn pass(names: &[&str]) -> PassResult {
         let mut budget = InlineBudget {
             calls: INLINE_CALLS,
             time: INLINE_BUDGET,
+            inserts: PLAIN_INSERTS,
         };
         while !subs.is_empty() {
             // Nothing readable after the lowest cursor: nothing after the others either.
@@ -419,8 +444,13 @@ fn fan_out(
     } else {
         window_for(waiting.len())
     };
+    let window = NEXT_LIMIT.get().map_or(window, |limit| limit.min(window));
     rows_of_window(client, waiting[0].cursor, window, &read);
-    let rows = deformed_rows();
+    let (rows, table) = deformed_rows();
+    // The matches as outbox.event datums, and the arrays made of them: freed with the window.
+    let window_cx = PgMemoryContexts::new("pg_outbox fan-out window");
+    // What filters read of one event: freed after each.
+    let event_cx = PgMemoryContexts::new("pg_outbox fan-out event");
     // Cut before the payloads and headers pass the byte cap (never before the first event).
     let max_bytes = crate::settings::MAX_BATCH_BYTES.get() as i64;
     let (mut end, mut bytes) = (0, 0i64);
@@ -432,6 +462,16 @@ fn fan_out(
         end += 1;
     }
     let full = end < rows.len() || rows.len() >= window;
+    NEXT_LIMIT.set(if end < rows.len() {
+        Some((2 * end).max(16))
+    } else if rows.len() >= window {
+        NEXT_LIMIT
+            .get()
+            .map(|limit| 2 * limit)
+            .filter(|&limit| limit < WINDOW_MAX)
+    } else {
+        None
+    });
     let last = rows.get(end.checked_sub(1)?)?.position();
     let inside = waiting.iter().take_while(|s| s.cursor < last).count();
     let mut group: Vec<Subscription> = waiting.drain(..inside).collect();
@@ -449,7 +489,7 @@ fn fan_out(
         let position = row.position();
         let topic = row.text(Column::Topic).expect("topic");
         // Converted once, for every filter that looks at this event, and only if one does.
-        let mut reader = EventReader::new(row, topic, &reads);
+        let mut reader = EventReader::new(row, topic, &reads, event_cx.value());
         // Made an outbox.event once, for every subscription that matched it.
         let mut event: Option<pg_sys::Datum> = None;
         for (sub, class) in group.iter_mut().zip(&reads.class_of) {
@@ -485,7 +525,7 @@ fn fan_out(
                             // current memory context, as long as the datums made with it.
                             unsafe { pg_sys::lookup_rowtype_tupdesc_copy(event_type, -1) }
                         });
-                        row.event(tupdesc)
+                        allocating_in(window_cx.value(), || row.event(tupdesc))
                     });
                     if let Some(inline) = sub.inline.as_mut() {
                         inline.push(event);
@@ -504,6 +544,9 @@ fn fan_out(
                 }
             }
         }
+        drop(reader);
+        // SAFETY: nothing made in it outlives the event (the contexts hold Rust values only).
+        unsafe { pg_sys::MemoryContextReset(event_cx.value()) };
     }
     // A handler subscription's matches run now, in this transaction; what did not (a call that
     // failed, the pass's time for them used up) is written as jobs like any other match.
@@ -511,7 +554,7 @@ fn fan_out(
         let Some(inline) = sub.inline.take() else {
             continue;
         };
-        let ran = run_inline(client, sub, &inline, event_type, budget);
+        let ran = run_inline(client, sub, &inline, event_type, budget, window_cx.value());
         for event in inline.into_iter().skip(ran) {
             subs.push(sub.name.clone());
             queues.push(sub.queue.clone());
@@ -534,7 +577,7 @@ fn fan_out(
         // SAFETY: an outbox.event[] built in this SPI connection, still alive.
         let events = unsafe {
             DatumWithOid::new(
-                event_array(&events, event_type),
+                allocating_in(window_cx.value(), || event_array(&events, event_type)),
                 pg_sys::get_array_type(event_type),
             )
         };
@@ -594,6 +637,9 @@ fn fan_out(
             ],
         )
         .expect("counting fan-out");
+    drop(rows);
+    // SAFETY: the window's rows are no longer used (the matches are copies, in window_cx).
+    unsafe { pg_sys::SPI_freetuptable(table) };
     // Ready for another window in this pass: at its new cursor, its verdicts counted.
     for sub in group.iter_mut() {
         sub.cursor = sub.stopped_at.unwrap_or(last);
@@ -613,10 +659,10 @@ const CATCH_UP_WINDOWS: usize = 4;
 /// Writes the jobs of INSERT_SQL's `args`. A job of the same (subscription, event) still waiting
 /// makes the INSERT fail on index `jobs_waiting_event` (the only unique index a fan-out job can
 /// meet): it is tried in a subtransaction, and on that failure again skipping those. A pass out
-/// of subtransactions (`InlineBudget::calls`) skips them at once.
+/// of such tries (`InlineBudget::inserts`) skips them at once.
 fn write_jobs(client: &mut SpiClient<'_>, args: &[DatumWithOid<'_>], budget: &mut InlineBudget) {
-    if budget.calls > 0 {
-        budget.calls -= 1;
+    if budget.inserts > 0 {
+        budget.inserts -= 1;
         let plain = crate::transaction::in_subtransaction(|| {
             plans::update(client, INSERT_SQL, None, args).unwrap_or_else(|e| panic!("{e}"));
         });
@@ -640,8 +686,6 @@ fn rows_of_window(client: &mut SpiClient<'_>, cursor: Position, window: usize, r
             DatumWithOid::from(cursor.txid.to_string()),
             DatumWithOid::from(cursor.seq),
             DatumWithOid::from(window as i32),
-            DatumWithOid::from(reads.whole("payload")),
-            DatumWithOid::from(reads.whole("headers")),
             DatumWithOid::from(reads.uses("raised_at")),
         ],
     )
@@ -698,18 +742,6 @@ impl Reads {
         reads
     }
 
-    /// Whether some filter reads `variable` (payload, headers) whole: its text is read then.
-    fn whole(&self, variable: &str) -> bool {
-        self.classes.iter().any(|c| {
-            c.uses(variable)
-                && if variable == "payload" {
-                    c.payload_fields().is_none()
-                } else {
-                    c.headers_fields().is_none()
-                }
-        })
-    }
-
     fn uses(&self, variable: &str) -> bool {
         self.classes.iter().any(|c| c.uses(variable))
     }
@@ -726,11 +758,14 @@ struct EventReader<'w> {
     payload_whole: Option<Result<serde_json::Value, String>>,
     headers_whole: Option<Result<serde_json::Value, String>>,
     contexts: Vec<Option<EventContext<'static>>>,
+    /// Where what PostgreSQL makes of the event's values goes (detoasted copies, printed text).
+    cx: pg_sys::MemoryContext,
 }
 
 impl<'w> EventReader<'w> {
-    fn new(row: &'w Row, topic: &'w str, reads: &'w Reads) -> Self {
+    fn new(row: &'w Row, topic: &'w str, reads: &'w Reads, cx: pg_sys::MemoryContext) -> Self {
         EventReader {
+            cx,
             row,
             topic,
             reads,
@@ -746,13 +781,20 @@ impl<'w> EventReader<'w> {
     fn context(&mut self, class: usize) -> &EventContext<'static> {
         if self.contexts[class].is_none() {
             let needs = &self.reads.classes[class];
-            let payload = self.json(true, needs);
-            let headers = self.json(false, needs);
+            let (payload, headers) = allocating_in(self.cx, || {
+                (self.json(true, needs), self.json(false, needs))
+            });
             let unreadable = payload.as_ref().err().or(headers.as_ref().err());
+            let (subject, tenant) = allocating_in(self.cx, || {
+                (
+                    self.row.text(Column::Subject),
+                    self.row.text(Column::Tenant),
+                )
+            });
             let fields = EventFields {
                 topic: self.topic,
-                subject: self.row.text(Column::Subject),
-                tenant: self.row.text(Column::Tenant),
+                subject,
+                tenant,
                 payload: payload.as_ref().unwrap_or(&serde_json::Value::Null),
                 headers: headers.as_ref().unwrap_or(&serde_json::Value::Null),
                 raised_at: self.row.text(Column::RaisedAtText).unwrap_or_default(),
@@ -768,11 +810,10 @@ impl<'w> EventReader<'w> {
 
     /// Payload (or headers) as `needs` reads it: the fields it selects, or the whole value.
     fn json(&mut self, payload: bool, needs: &Needs) -> Result<serde_json::Value, String> {
-        let (variable, binary, text, selected, keys, fields, whole) = if payload {
+        let (variable, binary, selected, keys, fields, whole) = if payload {
             (
                 "payload",
                 Column::Payload,
-                Column::PayloadText,
                 needs.payload_fields(),
                 &self.reads.payload_keys,
                 &mut self.payload_fields,
@@ -782,7 +823,6 @@ impl<'w> EventReader<'w> {
             (
                 "headers",
                 Column::Headers,
-                Column::HeadersText,
                 needs.headers_fields(),
                 &self.reads.headers_keys,
                 &mut self.headers_fields,
@@ -811,8 +851,8 @@ impl<'w> EventReader<'w> {
             }
             None => whole
                 .get_or_insert_with(|| {
-                    row.text(text).map_or(Ok(serde_json::Value::Null), |t| {
-                        serde_json::from_str(t).map_err(|e| e.to_string())
+                    row.get(binary).map_or(Ok(serde_json::Value::Null), |d| {
+                        crate::raw::RawJsonb(d).whole()
                     })
                 })
                 .clone(),
@@ -838,10 +878,13 @@ const INLINE_BUDGET: std::time::Duration = std::time::Duration::from_millis(100)
 /// handler is too slow to run in a pass at all (see [`QUEUED_AFTER_OVERRUN`]).
 const INLINE_CALL_TIMEOUT_MS: i32 = 100;
 
-/// Subtransactions in one pass (a handler call each, and a window's job INSERT): the
-/// transaction's subtransaction ids stay within the cache every backend keeps (64), so nobody's
-/// snapshots overflow to pg_subtrans.
+/// Handler calls in one pass, each a subtransaction: with [`PLAIN_INSERTS`], the transaction's
+/// subtransaction ids stay within the cache every backend keeps (64), so nobody's snapshots
+/// overflow to pg_subtrans.
 const INLINE_CALLS: usize = 32;
+
+/// Job INSERTs per pass tried without ON CONFLICT, each in a subtransaction (`write_jobs`).
+const PLAIN_INSERTS: usize = 8;
 
 /// How long a subscription whose handler call overran the pass's time has its matches queued.
 const QUEUED_AFTER_OVERRUN: std::time::Duration = std::time::Duration::from_secs(600);
@@ -850,6 +893,8 @@ const QUEUED_AFTER_OVERRUN: std::time::Duration = std::time::Duration::from_secs
 struct InlineBudget {
     calls: usize,
     time: std::time::Duration,
+    /// Job INSERTs tried first without ON CONFLICT, each in a subtransaction (`write_jobs`).
+    inserts: usize,
 }
 
 /// Which of the events of `$3` (an outbox.event[]) have a job of subscription `$2` on queue `$1`
@@ -863,7 +908,7 @@ const WAITING_SQL: &str = "\
                     WHERE j.queue OPERATOR(pg_catalog.=) $1 AND j.subscription OPERATOR(pg_catalog.=) $2 \
                       AND j.event OPERATOR(pg_catalog.=) e.id AND j.state OPERATOR(pg_catalog.=) 'waiting')";
 
-/// An outbox.event[] of `events` (outbox.event datums), in the SPI connection's memory.
+/// An outbox.event[] of `events` (outbox.event datums), in the current memory context.
 fn event_array(events: &[pg_sys::Datum], event_type: pg_sys::Oid) -> pg_sys::Datum {
     let mut elems = events.to_vec();
     // SAFETY: `elems` are outbox.event datums (composites: varlena, double-aligned) alive in this
@@ -897,6 +942,7 @@ fn run_inline(
     matches: &[pg_sys::Datum],
     event_type: pg_sys::Oid,
     budget: &mut InlineBudget,
+    cx: pg_sys::MemoryContext,
 ) -> usize {
     if matches.is_empty() || budget.calls == 0 || budget.time.is_zero() {
         return 0;
@@ -931,7 +977,12 @@ fn run_inline(
         let mut events = batch.to_vec();
         if any_waiting {
             // SAFETY: an outbox.event[] built in this SPI connection, still alive.
-            let arg = unsafe { DatumWithOid::new(event_array(&events, event_type), array_type) };
+            let arg = unsafe {
+                DatumWithOid::new(
+                    allocating_in(cx, || event_array(&events, event_type)),
+                    array_type,
+                )
+            };
             let waiting: Vec<i64> = plans::select(
                 client,
                 WAITING_SQL,
@@ -953,7 +1004,12 @@ fn run_inline(
         }
         if !events.is_empty() {
             // SAFETY: an outbox.event[] built in this SPI connection, still alive.
-            let arg = unsafe { DatumWithOid::new(event_array(&events, event_type), array_type) };
+            let arg = unsafe {
+                DatumWithOid::new(
+                    allocating_in(cx, || event_array(&events, event_type)),
+                    array_type,
+                )
+            };
             let target = crate::worker::Target::Inline {
                 subscription: &sub.name,
             };

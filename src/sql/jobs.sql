@@ -97,17 +97,21 @@ $$;
 
 -- Whether role `who` may `privilege` ('enqueue' or 'work') on `queue`: a member of its owner
 -- (superusers are members of every role), or of a role granted that privilege. 'own': a member
--- of the owner only.
+-- of the owner only. PL/pgSQL, not SQL: a SQL function whose body cannot be inlined (this one has
+-- subqueries) is parsed and planned again in every transaction that calls it, a third of a claim;
+-- PL/pgSQL keeps its plan for the session.
 CREATE FUNCTION outbox._may(queue text, who oid, privilege text) RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT EXISTS (SELECT FROM outbox.queues q
-                    WHERE q.name OPERATOR(pg_catalog.=) queue
-                      AND pg_catalog.pg_has_role(who, q.owner, 'USAGE'))
-        OR privilege OPERATOR(pg_catalog.<>) 'own' AND EXISTS (SELECT FROM outbox.queue_grants g
-                    WHERE g.queue OPERATOR(pg_catalog.=) queue
-                      AND (privilege OPERATOR(pg_catalog.=) 'enqueue' AND g.enqueue
-                           OR privilege OPERATOR(pg_catalog.=) 'work' AND g.work)
-                      AND pg_catalog.pg_has_role(who, g.grantee, 'USAGE'))
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN EXISTS (SELECT FROM outbox.queues q
+                    WHERE q.name OPERATOR(pg_catalog.=) _may.queue
+                      AND pg_catalog.pg_has_role(_may.who, q.owner, 'USAGE'))
+        OR _may.privilege OPERATOR(pg_catalog.<>) 'own' AND EXISTS (SELECT FROM outbox.queue_grants g
+                    WHERE g.queue OPERATOR(pg_catalog.=) _may.queue
+                      AND (_may.privilege OPERATOR(pg_catalog.=) 'enqueue' AND g.enqueue
+                           OR _may.privilege OPERATOR(pg_catalog.=) 'work' AND g.work)
+                      AND pg_catalog.pg_has_role(_may.who, g.grantee, 'USAGE'));
+END
 $$;
 
 -- Refuses (42501) unless `who` may `privilege` on `queue`.
@@ -402,22 +406,27 @@ BEGIN
            FOR UPDATE SKIP LOCKED;
         RETURN;
     END IF;
-    -- Waiting jobs that are due, and running jobs whose lease lapsed (their worker died).
+    -- Waiting jobs that are due, and running jobs whose lease lapsed (their worker died). The
+    -- claim runs from its generic plan (src/queue.rs): the jobs are found by key (an array), not
+    -- joined, whose generic plan (LIMIT unknown) hashes the whole table. Returned in run_at order.
     RETURN QUERY
-    WITH c AS (
-        SELECT j.id FROM outbox.jobs j
-         WHERE j.queue OPERATOR(pg_catalog.=) _claim.queue AND j.state OPERATOR(pg_catalog.<>) 'dead'
-           AND j.run_at OPERATOR(pg_catalog.<=) pg_catalog.now()
-           AND (j.state OPERATOR(pg_catalog.=) 'waiting' OR j.lease_until OPERATOR(pg_catalog.<) pg_catalog.now())
-           AND j.handler IS NULL
-         ORDER BY j.run_at, j.id
-         LIMIT max_jobs
-           FOR UPDATE SKIP LOCKED)
-    UPDATE outbox.jobs j SET state = 'running', lease_until = pg_catalog.now() OPERATOR(pg_catalog.+) lease,
-           attempts = j.attempts OPERATOR(pg_catalog.+) 1
-      FROM c WHERE j.id OPERATOR(pg_catalog.=) c.id
-    RETURNING j.id, j.queue, j.payload, j.key, j.attempts, j.max_attempts, j.lease_until, j.created_at,
-              j.event, j.subscription;
+    WITH claimed AS (
+        UPDATE outbox.jobs j SET state = 'running', lease_until = pg_catalog.now() OPERATOR(pg_catalog.+) lease,
+               attempts = j.attempts OPERATOR(pg_catalog.+) 1
+         WHERE j.id OPERATOR(pg_catalog.=) ANY (ARRAY(
+            SELECT c.id FROM outbox.jobs c
+             WHERE c.queue OPERATOR(pg_catalog.=) _claim.queue AND c.state OPERATOR(pg_catalog.<>) 'dead'
+               AND c.run_at OPERATOR(pg_catalog.<=) pg_catalog.now()
+               AND (c.state OPERATOR(pg_catalog.=) 'waiting' OR c.lease_until OPERATOR(pg_catalog.<) pg_catalog.now())
+               AND c.handler IS NULL
+             ORDER BY c.run_at, c.id
+             LIMIT max_jobs
+               FOR UPDATE SKIP LOCKED))
+        RETURNING j.id, j.queue, j.payload, j.key, j.attempts, j.max_attempts, j.lease_until, j.created_at,
+                  j.event, j.subscription, j.run_at)
+    SELECT k.id, k.queue, k.payload, k.key, k.attempts, k.max_attempts, k.lease_until, k.created_at,
+           k.event, k.subscription
+      FROM claimed k ORDER BY k.run_at, k.id;
 END
 $$;
 

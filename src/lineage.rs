@@ -280,6 +280,51 @@ pub unsafe extern "C-unwind" fn pg_outbox_log_horizon(
     pg_sys::Datum::from(horizon())
 }
 
+/// The statement's snapshot in the log's terms, as `pg_snapshot` text ("xmin:xmax:xip,..."):
+/// each transaction id as a position carries it (this database's epoch in the top bits), so that
+/// `pg_visible_in_snapshot(e.txid, s)` says whether event `e`'s transaction had ended when it was
+/// taken. What `pg_current_snapshot()` gives, shifted like the log (a tick, `outbox._tick()`).
+fn snapshot_text() -> String {
+    let epoch = epoch_for_read() << EPOCH_SHIFT;
+    // SAFETY: called inside a statement, which has an active snapshot; xip holds xcnt ids.
+    unsafe {
+        let snapshot = pg_sys::GetActiveSnapshot();
+        if snapshot.is_null() {
+            panic!("no active snapshot to take a tick from");
+        }
+        let s = &*snapshot;
+        let full = |xid: pg_sys::TransactionId| epoch + pgrx::xid::xid_to_64bit(xid);
+        let mut running: Vec<u64> = (0..s.xcnt as usize).map(|i| full(*s.xip.add(i))).collect();
+        // pg_snapshot's text lists them in order, once each.
+        running.sort_unstable();
+        running.dedup();
+        let running: Vec<String> = running.iter().map(u64::to_string).collect();
+        format!("{}:{}:{}", full(s.xmin), full(s.xmax), running.join(","))
+    }
+}
+
+/// `outbox._log_snapshot()`: see `snapshot_text`.
+#[unsafe(no_mangle)]
+pub extern "C" fn pg_finfo_pg_outbox_log_snapshot() -> &'static pg_sys::Pg_finfo_record {
+    const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn pg_outbox_log_snapshot(
+    _fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    let text = snapshot_text();
+    // SAFETY: a text datum made in the current memory context, which the caller owns.
+    unsafe {
+        pg_sys::Datum::from(pg_sys::cstring_to_text_with_len(
+            text.as_ptr().cast(),
+            text.len() as i32,
+        ))
+    }
+}
+
 /// Forgets the settled epoch (the workers do at each round: a worker lives long, and a restore
 /// into its database must be seen by its next raise).
 pub fn forget() {

@@ -114,7 +114,7 @@ pub fn add_reads(reads: &mut Reads, topics: Option<Vec<String>>) {
 /// extension script creates them. Indexes and TOAST tables are not members: DROP EXTENSION reaches
 /// them through their table, which it must lock first. src/tests.rs checks that this list names
 /// every member.
-pub(crate) const MEMBER_RELATIONS: [&std::ffi::CStr; 22] = [
+pub(crate) const MEMBER_RELATIONS: [&std::ffi::CStr; 23] = [
     c"lineage",
     c"events_seq",
     c"events",
@@ -123,6 +123,7 @@ pub(crate) const MEMBER_RELATIONS: [&std::ffi::CStr; 22] = [
     c"events_2",
     c"events_3",
     c"log_rotation",
+    c"ticks",
     c"consumers",
     c"sinks",
     c"http_sinks",

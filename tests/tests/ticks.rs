@@ -1,0 +1,346 @@
+//! Ticks (issue 15, the first part): snapshots taken one after another, and the batches between
+//! them. Eight writers commit out of order with rollbacks while a long transaction holds an xid
+//! and raises events too; a ticker takes ticks all along and a reader reads batch after batch
+//! meanwhile. Every committed event is read exactly once, a transaction's events together and in
+//! order, the short transactions are read while the long one is still open, and each transaction
+//! is in the first tick taken after its commit returned.
+
+use pg_outbox_tests::{sqlstate, test_db};
+use postgres::Client;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One event as a batch returns it: (tick, txid, seq, writer, transaction, index in it).
+type Read = (i64, u64, i64, i32, i32, i32);
+
+/// Reads the batch of tick `tick` (after tick - 1) page by page.
+fn batch(c: &mut Client, tick: i64) -> Vec<Read> {
+    let mut out: Vec<Read> = Vec::new();
+    let (mut after_txid, mut after_seq) = ("0".to_string(), 0i64);
+    loop {
+        let rows = c
+            .query(
+                "SELECT txid::text, seq, (payload->>'w')::int, (payload->>'n')::int, (payload->>'j')::int \
+                   FROM outbox._tick_log($1::int8 - 1, $1::int8, $2::text::xid8, $3, 7)",
+                &[&tick, &after_txid, &after_seq],
+            )
+            .unwrap();
+        for r in &rows {
+            let txid: String = r.get(0);
+            out.push((
+                tick,
+                txid.parse().unwrap(),
+                r.get(1),
+                r.get(2),
+                r.get(3),
+                r.get(4),
+            ));
+        }
+        match rows.last() {
+            Some(r) if rows.len() == 7 => {
+                after_txid = r.get(0);
+                after_seq = r.get(1);
+            }
+            _ => return out,
+        }
+    }
+}
+
+fn newest_tick(c: &mut Client) -> i64 {
+    c.query_one("SELECT coalesce(max(tick), 0) FROM outbox.ticks", &[])
+        .unwrap()
+        .get(0)
+}
+
+/// A small deterministic generator: the same run each time, different for each writer.
+fn next(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
+#[test]
+fn every_committed_event_is_in_exactly_one_batch_and_a_long_transaction_holds_back_only_its_own() {
+    let db = test_db("ticks");
+    const WRITERS: i32 = 8;
+    const LONG: i32 = 99;
+    let run_for = Duration::from_secs(4);
+
+    // The long transaction: raises first, holds its xid while the writers run, raises again.
+    let mut long = db.connect();
+    long.batch_execute(
+        "BEGIN; SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 0}'); \
+                SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 1}')",
+    )
+    .unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    // (writer, transaction) -> (began, commit returned, events) for the committed ones.
+    let committed = Arc::new(Mutex::new(
+        HashMap::<(i32, i32), (Instant, Instant, i32)>::new(),
+    ));
+    let rolled_back = Arc::new(Mutex::new(HashSet::<(i32, i32)>::new()));
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let mut c = db.connect();
+            let (stop, committed, rolled_back) = (stop.clone(), committed.clone(), rolled_back.clone());
+            std::thread::spawn(move || {
+                let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ ((w as u64 + 1) * 0x1000_0001);
+                let mut n = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    let began = Instant::now();
+                    let mut tx = c.transaction().unwrap();
+                    let events = 1 + (next(&mut rng) % 4) as i32;
+                    for j in 0..events {
+                        tx.execute(
+                            "SELECT outbox.raise('short', jsonb_build_object('w', $1::int, 'n', $2::int, 'j', $3::int))",
+                            &[&w, &n, &j],
+                        )
+                        .unwrap();
+                        // Transactions of different lengths: commits land out of raise order.
+                        std::thread::sleep(Duration::from_micros(next(&mut rng) % 3000));
+                    }
+                    if next(&mut rng).is_multiple_of(7) {
+                        tx.rollback().unwrap();
+                        rolled_back.lock().unwrap().insert((w, n));
+                    } else {
+                        tx.commit().unwrap();
+                        committed.lock().unwrap().insert((w, n), (began, Instant::now(), events));
+                    }
+                    n += 1;
+                }
+            })
+        })
+        .collect();
+
+    // The ticker: (tick returned, when the call began).
+    let ticks = Arc::new(Mutex::new(Vec::<(i64, Instant)>::new()));
+    let ticker = {
+        let mut c = db.connect();
+        let (stop, ticks) = (stop.clone(), ticks.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                let began = Instant::now();
+                let tick: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+                ticks.lock().unwrap().push((tick, began));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        })
+    };
+
+    // The reader, batch after batch while everything runs: (read, when it was read).
+    let reading = Arc::new(AtomicBool::new(true));
+    let reader = {
+        let mut c = db.connect();
+        let reading = reading.clone();
+        std::thread::spawn(move || {
+            let mut read: Vec<(Read, Instant)> = Vec::new();
+            let mut done = 0i64;
+            loop {
+                let last_round = !reading.load(Ordering::SeqCst);
+                let newest = newest_tick(&mut c);
+                for t in done + 1..=newest {
+                    let at = Instant::now();
+                    read.extend(batch(&mut c, t).into_iter().map(|r| (r, at)));
+                }
+                done = newest;
+                if last_round {
+                    return read;
+                }
+                std::thread::sleep(Duration::from_millis(3));
+            }
+        })
+    };
+
+    std::thread::sleep(run_for);
+    stop.store(true, Ordering::SeqCst);
+    for w in writers {
+        w.join().unwrap();
+    }
+    ticker.join().unwrap();
+    long.execute(
+        "SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 2}')",
+        &[],
+    )
+    .unwrap();
+    long.batch_execute("COMMIT").unwrap();
+    let long_committed = Instant::now();
+    let mut c = db.connect();
+    let final_tick: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    reading.store(false, Ordering::SeqCst);
+    let read = reader.join().unwrap();
+
+    let committed = committed.lock().unwrap().clone();
+    let rolled_back = rolled_back.lock().unwrap().clone();
+    let ticks = ticks.lock().unwrap().clone();
+    assert!(
+        committed.len() > 100 && !rolled_back.is_empty(),
+        "the load ran: {} committed, {} rolled back",
+        committed.len(),
+        rolled_back.len()
+    );
+
+    // Every committed event exactly once, nothing rolled back.
+    let mut seen = HashSet::new();
+    for ((_, _, _, w, n, j), _) in &read {
+        assert!(
+            !rolled_back.contains(&(*w, *n)),
+            "a rolled-back event was read: {w}/{n}"
+        );
+        assert!(seen.insert((*w, *n, *j)), "event {w}/{n}/{j} read twice");
+    }
+    let expected: usize = committed
+        .values()
+        .map(|(_, _, k)| *k as usize)
+        .sum::<usize>()
+        + 3;
+    assert_eq!(seen.len(), expected, "every committed event read once");
+
+    // The order: (tick, txid, seq) strictly increasing; a transaction's events together, in the
+    // order raised, in one batch.
+    let stream: Vec<Read> = read.iter().map(|(r, _)| *r).collect();
+    for pair in stream.windows(2) {
+        assert!(
+            (pair[0].0, pair[0].1, pair[0].2) < (pair[1].0, pair[1].1, pair[1].2),
+            "out of order: {:?} then {:?}",
+            pair[0],
+            pair[1]
+        );
+    }
+    let mut tick_of: BTreeMap<(i32, i32), (i64, u64)> = BTreeMap::new();
+    let mut last_j: HashMap<(i32, i32), i32> = HashMap::new();
+    for (tick, txid, _, w, n, j) in &stream {
+        let at = *tick_of.entry((*w, *n)).or_insert((*tick, *txid));
+        assert_eq!(
+            at,
+            (*tick, *txid),
+            "transaction {w}/{n} split between batches"
+        );
+        let prev = last_j.insert((*w, *n), *j);
+        assert_eq!(
+            prev.map_or(0, |p| p + 1),
+            *j,
+            "transaction {w}/{n} out of raise order"
+        );
+    }
+    let mut txids = HashSet::new();
+    for (tick, txid) in tick_of.values() {
+        assert!(
+            txids.insert(txid),
+            "two transactions with txid {txid} (tick {tick})"
+        );
+    }
+
+    // Each transaction is in the first tick taken after its commit returned: every tick call
+    // that began after that returned its tick or a later one; and one that ended before it
+    // began is never delivered after it.
+    let mut all: Vec<((i32, i32), Instant, Instant)> = committed
+        .iter()
+        .map(|(k, (began, done, _))| (*k, *began, *done))
+        .collect();
+    all.push(((LONG, 0), Instant::now(), long_committed));
+    for (k, _, done) in &all {
+        let (tick, _) = tick_of[k];
+        for (taken, began) in &ticks {
+            assert!(
+                began < done || *taken >= tick,
+                "transaction {k:?} (tick {tick}) had committed before tick call returning {taken} began"
+            );
+        }
+    }
+    assert!(tick_of[&(LONG, 0)].0 <= final_tick);
+    for (a, (_, a_done, _)) in &committed {
+        for (b, b_began, _) in &all {
+            if a_done < b_began {
+                assert!(
+                    tick_of[a].0 <= tick_of[b].0,
+                    "{a:?} committed before {b:?} began, but was delivered in a later batch"
+                );
+            }
+        }
+    }
+
+    // The long transaction held back only its own events: short ones that committed while it
+    // was open were read before it committed, and its events came in the last batches.
+    let read_early = read
+        .iter()
+        .filter(|((_, _, _, w, _, _), at)| *w != LONG && *at < long_committed)
+        .count();
+    assert!(
+        read_early * 2 > expected,
+        "only {read_early} of {expected} events were read while the long transaction was open"
+    );
+
+    // A batch is the same whenever it is read: read again now, every batch gives what it gave.
+    let again: Vec<Read> = (1..=final_tick).flat_map(|t| batch(&mut c, t)).collect();
+    assert_eq!(
+        again, stream,
+        "a batch read later differs from the same batch read live"
+    );
+}
+
+#[test]
+fn ticks_refuse_what_would_break_them() {
+    let db = test_db("ticks_refusals");
+    let mut c = db.connect();
+    assert_eq!(
+        sqlstate(
+            &mut c,
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT outbox._tick()"
+        ),
+        "25000",
+        "a tick needs a fresh snapshot after the lock"
+    );
+    c.batch_execute("ROLLBACK").unwrap();
+    assert_eq!(
+        sqlstate(&mut c, "SELECT * FROM outbox._tick_log(0, 5, '0', 0, 10)"),
+        "55000",
+        "a batch from a tick not taken is an error, not an empty batch"
+    );
+    assert_eq!(
+        sqlstate(&mut c, "SELECT outbox._tick_snapshot(NULL)"),
+        "22004"
+    );
+    // As the read rule: a NULL argument reads nothing (it is not STRICT, to be inlined).
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox._tick_log(NULL, 1, '0', 0, 10)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0);
+    // Nothing raised: no tick but the first; a raise makes the next.
+    let first: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    let again: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    assert_eq!(
+        (first, again),
+        (1, 1),
+        "a tick with an empty batch is not taken"
+    );
+    c.batch_execute("SELECT outbox.raise('t', '{\"w\": 1, \"n\": 1, \"j\": 0}')")
+        .unwrap();
+    let next: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    assert_eq!(next, 2);
+    let got = batch(&mut c, 2);
+    assert_eq!(got.len(), 1);
+    // A role with the README's grants may not take ticks or read batches.
+    c.batch_execute(
+        "CREATE ROLE ticks_app LOGIN; GRANT USAGE ON SCHEMA outbox TO ticks_app; \
+         GRANT EXECUTE ON FUNCTION outbox.raise(text, jsonb, text, text, jsonb) TO ticks_app",
+    )
+    .unwrap();
+    let mut app = db.connect_as("ticks_app");
+    for sql in [
+        "SELECT outbox._tick()",
+        "SELECT * FROM outbox._tick_log(0, 1, '0', 0, 10)",
+        "SELECT outbox._tick_snapshot(1)",
+        "SELECT outbox._log_snapshot()",
+        "SELECT * FROM outbox.ticks",
+    ] {
+        assert_eq!(sqlstate(&mut app, sql), "42501", "{sql}");
+    }
+}

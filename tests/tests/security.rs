@@ -1494,6 +1494,25 @@ fn a_job_queue_belongs_to_its_owner_and_whom_it_grants() {
         .batch_execute("SELECT outbox.grant_queue('mail_a', 'mailer_b', enqueue => false)")
         .unwrap();
     assert_eq!(claimed(&mut other, "mail_a").len(), 1);
+    // A grant is for its queue: the owner's other queue stays closed to the grantee (0.2.0's
+    // first _may read the grant's queue column for its own parameter and let it through).
+    let theirs: i64 = owner
+        .query_one("SELECT outbox.enqueue('reserved_a')", &[])
+        .unwrap()
+        .get(0);
+    refused(
+        &mut other,
+        &[
+            "SELECT * FROM outbox.claim('reserved_a')",
+            "SELECT * FROM outbox.claim('reserved_a', 1, NULL)",
+            "SELECT outbox.enqueue('reserved_a')",
+            &format!("SELECT outbox.complete({theirs})"),
+            &format!("SELECT outbox.complete_many(ARRAY[{theirs}])"),
+            &format!("SELECT outbox.fail({theirs}, 'taken over', false)"),
+            &format!("SELECT outbox.extend({theirs}, '1 day')"),
+        ],
+    );
+    assert_eq!(claimed(&mut owner, "reserved_a"), [theirs]);
     owner
         .batch_execute("SELECT outbox.revoke_queue('mail_a', 'mailer_b')")
         .unwrap();

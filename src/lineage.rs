@@ -293,6 +293,16 @@ fn snapshot_text() -> String {
             panic!("no active snapshot to take a tick from");
         }
         let s = &*snapshot;
+        // On a standby the running transactions are in subxip, not xip: read as they are, every
+        // one would look ended.
+        if s.takenDuringRecovery {
+            pgrx::pg_sys::panic::ErrorReport::new(
+                pgrx::PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
+                "ticks are taken on the primary, not during recovery",
+                "pg_outbox",
+            )
+            .report(pgrx::PgLogLevel::ERROR);
+        }
         let full = |xid: pg_sys::TransactionId| epoch + pgrx::xid::xid_to_64bit(xid);
         let mut running: Vec<u64> = (0..s.xcnt as usize).map(|i| full(*s.xip.add(i))).collect();
         // pg_snapshot's text lists them in order, once each.

@@ -43,7 +43,8 @@ BEGIN
     -- would have. Read with a snapshot newer than `taken`, filtered by `taken`.
     IF last.tick IS NOT NULL AND NOT EXISTS (
         SELECT FROM outbox.events e
-         WHERE (e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(last.snapshot)))
+         WHERE (e.txid = ANY (ARRAY(SELECT x FROM pg_snapshot_xip(last.snapshot) x
+                                     WHERE pg_visible_in_snapshot(x, taken)))
                 OR e.txid >= pg_snapshot_xmax(last.snapshot) AND e.txid < pg_snapshot_xmax(taken))
            AND pg_visible_in_snapshot(e.txid, taken)) THEN
         RETURN last.tick;
@@ -86,7 +87,10 @@ RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject te
                payload jsonb, headers jsonb, raised_at timestamptz)
 LANGUAGE sql STABLE AS $$
     WITH s AS MATERIALIZED (
-        SELECT t.a, t.b, ARRAY(SELECT pg_catalog.pg_snapshot_xip(t.a)) AS running
+        -- Of those from_tick saw running, the ones to_tick sees ended: a transaction still running
+        -- (a long one with many events, say) is not scanned for at every tick.
+        SELECT t.a, t.b, ARRAY(SELECT x FROM pg_catalog.pg_snapshot_xip(t.a) x
+                                WHERE pg_catalog.pg_visible_in_snapshot(x, t.b)) AS running
           FROM (SELECT outbox._tick_snapshot(from_tick) AS a, outbox._tick_snapshot(to_tick) AS b
                 OFFSET 0) t)
     SELECT e.txid, e.seq, e.id, e.topic, e.subject, e.tenant, e.payload, e.headers, e.raised_at

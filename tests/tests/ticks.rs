@@ -8,7 +8,7 @@
 use pg_outbox_tests::{sqlstate, test_db};
 use postgres::Client;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -71,6 +71,7 @@ fn every_committed_event_is_in_exactly_one_batch_and_a_long_transaction_holds_ba
 
     // The long transaction: raises first, holds its xid while the writers run, raises again.
     let mut long = db.connect();
+    let long_began = Instant::now();
     long.batch_execute(
         "BEGIN; SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 0}'); \
                 SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 1}')",
@@ -116,26 +117,29 @@ fn every_committed_event_is_in_exactly_one_batch_and_a_long_transaction_holds_ba
         })
         .collect();
 
-    // The ticker: (tick returned, when the call began).
+    // Three tickers at once, as workers will: (tick returned, when the call began).
     let ticks = Arc::new(Mutex::new(Vec::<(i64, Instant)>::new()));
-    let ticker = {
-        let mut c = db.connect();
-        let (stop, ticks) = (stop.clone(), ticks.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                let began = Instant::now();
-                let tick: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
-                ticks.lock().unwrap().push((tick, began));
-                std::thread::sleep(Duration::from_millis(2));
-            }
+    let tickers: Vec<_> = (0..3)
+        .map(|i| {
+            let mut c = db.connect();
+            let (stop, ticks) = (stop.clone(), ticks.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    let began = Instant::now();
+                    let tick: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+                    ticks.lock().unwrap().push((tick, began));
+                    std::thread::sleep(Duration::from_millis(2 + i));
+                }
+            })
         })
-    };
+        .collect();
 
     // The reader, batch after batch while everything runs: (read, when it was read).
     let reading = Arc::new(AtomicBool::new(true));
+    let read_through = Arc::new(AtomicI64::new(0));
     let reader = {
         let mut c = db.connect();
-        let reading = reading.clone();
+        let (reading, read_through) = (reading.clone(), read_through.clone());
         std::thread::spawn(move || {
             let mut read: Vec<(Read, Instant)> = Vec::new();
             let mut done = 0i64;
@@ -147,6 +151,7 @@ fn every_committed_event_is_in_exactly_one_batch_and_a_long_transaction_holds_ba
                     read.extend(batch(&mut c, t).into_iter().map(|r| (r, at)));
                 }
                 done = newest;
+                read_through.store(done, Ordering::SeqCst);
                 if last_round {
                     return read;
                 }
@@ -160,15 +165,28 @@ fn every_committed_event_is_in_exactly_one_batch_and_a_long_transaction_holds_ba
     for w in writers {
         w.join().unwrap();
     }
-    ticker.join().unwrap();
+    for t in tickers {
+        t.join().unwrap();
+    }
     long.execute(
         "SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 2}')",
         &[],
     )
     .unwrap();
+    // Every short transaction has ended: a tick now holds them all, and the reader reads it
+    // while the long transaction is still open.
+    let mut c = db.connect();
+    let all_short: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    let started = Instant::now();
+    while read_through.load(Ordering::SeqCst) < all_short {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the reader did not reach tick {all_short} while the long transaction was open"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     long.batch_execute("COMMIT").unwrap();
     let long_committed = Instant::now();
-    let mut c = db.connect();
     let final_tick: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
     reading.store(false, Ordering::SeqCst);
     let read = reader.join().unwrap();
@@ -241,7 +259,7 @@ fn every_committed_event_is_in_exactly_one_batch_and_a_long_transaction_holds_ba
         .iter()
         .map(|(k, (began, done, _))| (*k, *began, *done))
         .collect();
-    all.push(((LONG, 0), Instant::now(), long_committed));
+    all.push(((LONG, 0), long_began, long_committed));
     for (k, _, done) in &all {
         let (tick, _) = tick_of[k];
         for (taken, began) in &ticks {
@@ -252,27 +270,51 @@ fn every_committed_event_is_in_exactly_one_batch_and_a_long_transaction_holds_ba
         }
     }
     assert!(tick_of[&(LONG, 0)].0 <= final_tick);
+    // By when they began, the lowest tick of the transactions that began at or after each.
+    all.sort_by_key(|(_, began, _)| *began);
+    let mut lowest_from = vec![i64::MAX; all.len() + 1];
+    for i in (0..all.len()).rev() {
+        lowest_from[i] = lowest_from[i + 1].min(tick_of[&all[i].0].0);
+    }
     for (a, (_, a_done, _)) in &committed {
-        for (b, b_began, _) in &all {
-            if a_done < b_began {
-                assert!(
-                    tick_of[a].0 <= tick_of[b].0,
-                    "{a:?} committed before {b:?} began, but was delivered in a later batch"
-                );
-            }
-        }
+        let later = all.partition_point(|(_, began, _)| began <= a_done);
+        assert!(
+            tick_of[a].0 <= lowest_from[later],
+            "{a:?} committed before a transaction began that was delivered in an earlier batch"
+        );
     }
 
-    // The long transaction held back only its own events: short ones that committed while it
-    // was open were read before it committed, and its events came in the last batches.
-    let read_early = read
+    // The ticks, taken by three at once, follow their snapshots: each sees every transaction the
+    // one before saw, and they are numbered without a gap.
+    let disorder: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.ticks n JOIN outbox.ticks p ON p.tick = n.tick - 1 \
+              WHERE pg_snapshot_xmax(n.snapshot) < pg_snapshot_xmax(p.snapshot) \
+                 OR pg_snapshot_xmin(n.snapshot) < pg_snapshot_xmin(p.snapshot) \
+                 OR EXISTS (SELECT FROM pg_snapshot_xip(n.snapshot) x \
+                             WHERE pg_visible_in_snapshot(x, p.snapshot))",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(disorder, 0, "a tick saw less than the one before it");
+    let (count, max): (i64, i64) = c
+        .query_one("SELECT count(*), max(tick) FROM outbox.ticks", &[])
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(count, max, "tick numbers have no gap");
+
+    // The long transaction held back only its own events: every short one was read before it
+    // committed, and its own came after them.
+    let read_late: Vec<_> = read
         .iter()
-        .filter(|((_, _, _, w, _, _), at)| *w != LONG && *at < long_committed)
-        .count();
+        .filter(|((_, _, _, w, _, _), at)| *w != LONG && *at >= long_committed)
+        .collect();
     assert!(
-        read_early * 2 > expected,
-        "only {read_early} of {expected} events were read while the long transaction was open"
+        read_late.is_empty(),
+        "short events were read only after the long transaction committed: {read_late:?}"
     );
+    assert!(tick_of[&(LONG, 0)].0 > all_short);
 
     // A batch is the same whenever it is read: read again now, every batch gives what it gave.
     let again: Vec<Read> = (1..=final_tick).flat_map(|t| batch(&mut c, t)).collect();
@@ -343,4 +385,30 @@ fn ticks_refuse_what_would_break_them() {
     ] {
         assert_eq!(sqlstate(&mut app, sql), "42501", "{sql}");
     }
+}
+
+#[test]
+fn ticks_are_in_the_log_epoch() {
+    // As after a restore elsewhere: this database's positions carry epoch 3 in their top bits.
+    let db = test_db("ticks_epoch");
+    let mut c = db.connect();
+    c.batch_execute("UPDATE outbox.lineage SET epoch = 3")
+        .unwrap();
+    c.batch_execute("SELECT outbox.raise('t', '{\"w\": 1, \"n\": 1, \"j\": 0}')")
+        .unwrap();
+    let tick: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    let got = batch(&mut c, tick);
+    assert_eq!(got.len(), 1, "the event is in the batch of the first tick");
+    assert!(got[0].1 >= 3 << 48, "a position of epoch 3: {}", got[0].1);
+    let xmax: String = c
+        .query_one(
+            "SELECT pg_snapshot_xmax(snapshot)::text FROM outbox.ticks WHERE tick = $1",
+            &[&tick],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        xmax.parse::<u64>().unwrap() > got[0].1,
+        "the snapshot is in the same terms"
+    );
 }

@@ -7,7 +7,8 @@
 //! BENCH_EVENTS (default 200000) sets the drain size, BENCH_SECONDS (default 10) each latency run,
 //! BENCH_STALL_SECONDS (default 10) how long the horizon is held, BENCH_SIZE_SECONDS (default 300)
 //! the long run and BENCH_SIZE_RETENTION (default 10) its retention in seconds (the hour at a
-//! minute: 3600 and 60); BENCH_DRAIN_ONLY=1 stops after the drains.
+//! minute: 3600 and 60); BENCH_DRAIN_ONLY=1 stops after the drains; BENCH_LATENCY_ONLY=1 measures
+//! only the latencies.
 
 use pg_outbox_benches::{
     drain_until_empty, env_or, head, raise_load, record, record_ratio, record_x_unit,
@@ -327,6 +328,44 @@ fn sizes(
     (samples, dead)
 }
 
+/// Commit-to-handler latency at steady rates and at saturation, one sink at batch 128.
+fn latencies(cluster: &Cluster, c: &mut Client, seconds: u64) {
+    println!(
+        "\n{:<46} {:>10} {:>8} {:>8} {:>8} {:>8}",
+        "commit-to-handler latency (ms)", "events/s", "p50", "p95", "p99", "max"
+    );
+    for (label, clients, rate) in [
+        ("steady 100 events/s (4 clients x 25/s)", 4, Some(25.0)),
+        ("steady 500 events/s (4 clients x 125/s)", 4, Some(125.0)),
+        ("steady 1000 events/s (4 clients x 250/s)", 4, Some(250.0)),
+        ("steady 2000 events/s (4 clients x 500/s)", 4, Some(500.0)),
+        ("saturation, 4 clients", 4, None),
+    ] {
+        let l = latency(cluster, c, clients, rate, seconds);
+        println!(
+            "{:<46} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+            label, l.rate, l.p50, l.p95, l.p99, l.max
+        );
+        let title = "Commit-to-handler latency against rate (SQL sink)";
+        record_x_unit("latency", "events/s");
+        for (series, y) in [
+            ("p50", l.p50),
+            ("p95", l.p95),
+            ("p99", l.p99),
+            ("max", l.max),
+        ] {
+            record("latency", title, "ms", series, l.rate.round(), y);
+        }
+        if rate == Some(125.0) {
+            record_ratio(
+                "latency p99 at 500 events/s (ms; target: at most 25)",
+                l.p99,
+                Some(25.0),
+            );
+        }
+    }
+}
+
 fn main() {
     let events: i64 = env_or("BENCH_EVENTS", 200_000);
     let seconds: u64 = env_or("BENCH_SECONDS", 10);
@@ -340,6 +379,10 @@ fn main() {
             "\npg_outbox dispatch benchmark: PostgreSQL {version}, fsync on, {workers} workers at least"
         );
         println!("sink: a SQL function inserting every event it is handed into a table\n");
+        if std::env::var_os("BENCH_LATENCY_ONLY").is_some() {
+            latencies(cluster, c, seconds);
+            return;
+        }
         println!("{:<46} {:>12}", "drain of waiting events", "events/s");
         let ours = drain(c, 128, events);
         println!(
@@ -434,40 +477,7 @@ fn main() {
         if std::env::var_os("BENCH_DRAIN_ONLY").is_some() {
             return;
         }
-        println!(
-            "\n{:<46} {:>10} {:>8} {:>8} {:>8} {:>8}",
-            "commit-to-handler latency (ms)", "events/s", "p50", "p95", "p99", "max"
-        );
-        for (label, clients, rate) in [
-            ("steady 100 events/s (4 clients x 25/s)", 4, Some(25.0)),
-            ("steady 500 events/s (4 clients x 125/s)", 4, Some(125.0)),
-            ("steady 1000 events/s (4 clients x 250/s)", 4, Some(250.0)),
-            ("steady 2000 events/s (4 clients x 500/s)", 4, Some(500.0)),
-            ("saturation, 4 clients", 4, None),
-        ] {
-            let l = latency(cluster, c, clients, rate, seconds);
-            println!(
-                "{:<46} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
-                label, l.rate, l.p50, l.p95, l.p99, l.max
-            );
-            let title = "Commit-to-handler latency against rate (SQL sink)";
-            record_x_unit("latency", "events/s");
-            for (series, y) in [
-                ("p50", l.p50),
-                ("p95", l.p95),
-                ("p99", l.p99),
-                ("max", l.max),
-            ] {
-                record("latency", title, "ms", series, l.rate.round(), y);
-            }
-            if rate == Some(125.0) {
-                record_ratio(
-                    "latency p99 at 500 events/s (ms; target: at most 25)",
-                    l.p99,
-                    Some(25.0),
-                );
-            }
-        }
+        latencies(cluster, c, seconds);
         let hold: u64 = env_or("BENCH_STALL_SECONDS", 10);
         let (points, released_at, recovery_ms) = stall(cluster, c, hold);
         println!(

@@ -10,9 +10,10 @@
 #   BENCH_JOBS=20000 bash benches/jobs.sh     # a short run
 #   BENCH_JOBS_RUNS=1 bash benches/jobs.sh    # one drain per figure (default: median of three)
 #
-# A drain leaves dead rows at the head of the claim index until autovacuum comes by, and every
-# claim steps over them: single drains of the same queue swing by a factor of two with when that
-# happens, so each figure is the median of BENCH_JOBS_RUNS drains.
+# A drain leaves dead rows at the head of the claim index, and every claim steps over them until
+# a vacuum: with autovacuum on, single drains of the same queue swung twofold with when it came.
+# So autovacuum is off here, every drain starts from a vacuumed table (the same for both queues),
+# and each figure is the median of BENCH_JOBS_RUNS drains.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/cluster.sh
@@ -26,7 +27,7 @@ source benches/lib.sh
 bench_prepare
 
 trap 'cluster_stop "$DIR"' EXIT
-cluster_start "$DIR" "$PORT" "shared_buffers = '1GB'" "max_wal_size = '4GB'"
+cluster_start "$DIR" "$PORT" "shared_buffers = '1GB'" "max_wal_size = '4GB'" "autovacuum = off"
 cluster_psql "$DIR" "$PORT" -d postgres -c "CREATE DATABASE bench" >/dev/null
 psql_bench() { cluster_psql "$DIR" "$PORT" -d bench "$@"; }
 

@@ -27,6 +27,7 @@ mod settings;
 mod sink;
 mod status;
 mod subscription;
+mod ticks;
 mod transaction;
 mod worker;
 

@@ -13,22 +13,36 @@ CREATE FUNCTION outbox._log_snapshot() RETURNS text
 VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'pg_outbox_log_snapshot';
 
 CREATE TABLE outbox.ticks (
-    -- 1, 2, 3... in the order taken: tick n's snapshot sees every transaction tick n-1's saw.
+    -- In the order taken: each tick's snapshot sees every transaction the one before saw. The log's
+    -- epoch is in the top bits (epoch << 40, then 1, 2, 3...), so that the ticks taken after a
+    -- restored log is adopted (in a new epoch) number after every restored one, whichever of the
+    -- two pg_restore writes first.
     tick     bigint                 PRIMARY KEY CHECK (tick > 0),
     snapshot pg_catalog.pg_snapshot NOT NULL,
-    taken_at timestamptz            NOT NULL DEFAULT pg_catalog.now()
+    taken_at timestamptz            NOT NULL DEFAULT pg_catalog.now(),
+    -- Where it was taken (as outbox.lineage names a log): restored ticks name another.
+    cluster  bigint                 NOT NULL,
+    database oid                    NOT NULL
 );
 
--- Takes a tick unless its batch would be empty; returns the newest tick. One taker at a
--- time: the table's lock (which readers do not take) orders them, and the snapshot is taken by a
--- statement that starts once the lock is held, so after the previous taker committed: it sees
--- every transaction the previous tick saw, and the tick numbers follow the snapshots. In READ
--- COMMITTED only (each statement its own snapshot). Commit soon: the lock is held until then.
+-- Takes a tick unless its batch would be empty; returns the newest tick (0 before the first). One
+-- taker at a time: the table's lock (which readers do not take) orders them, and the snapshot is
+-- taken by a statement that starts once the lock is held, so after the previous taker committed:
+-- it sees every transaction the previous tick saw, and the tick numbers follow the snapshots. In
+-- READ COMMITTED only (each statement its own snapshot). Commit soon: the lock is held until then.
+--
+-- Only in a log that is this database's (outbox.lineage, src/lineage.rs), and whose first tick of
+-- this epoch comes after something was raised in it: not in a database where nothing was raised
+-- yet, which may be the target of a restore still loading (a tick taken there would be in terms
+-- the restored log does not share, and could take the number of a restored one). A transaction
+-- that raises first marks the log raised when it commits: the first tick waits for it (once in
+-- the life of a log: later ticks go on from the one before).
 CREATE FUNCTION outbox._tick() RETURNS bigint
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     last outbox.ticks;
     taken pg_snapshot;
+    here outbox.lineage;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'a tick is taken in a READ COMMITTED transaction'
@@ -37,21 +51,39 @@ BEGIN
     END IF;
     LOCK TABLE outbox.ticks IN SHARE ROW EXCLUSIVE MODE;
     SELECT * INTO last FROM outbox.ticks t ORDER BY t.tick DESC LIMIT 1;
+    SELECT l.* INTO here
+      FROM outbox.lineage l, pg_control_system() s, pg_database d
+     WHERE l.system_identifier = s.system_identifier
+       AND d.datname = current_database() AND l.database = d.oid
+       AND (SELECT count(*) FROM outbox.lineage) = 1;
+    IF NOT FOUND OR NOT here.raised
+       AND NOT coalesce(last.tick > here.epoch::bigint << 40 AND last.cluster = here.system_identifier
+                        AND last.database = here.database, false) THEN
+        RETURN coalesce(last.tick, 0);
+    END IF;
     taken := outbox._log_snapshot()::pg_snapshot;
     -- A tick whose batch would be empty is not taken (the workers ask at every commit and poll,
     -- and each tick's own transaction moves the snapshot on): the next one's batch holds what it
     -- would have. Read with a snapshot newer than `taken`, filtered by `taken`.
-    IF last.tick IS NOT NULL AND NOT EXISTS (
-        SELECT FROM outbox.events e
-         WHERE (e.txid = ANY (ARRAY(SELECT x FROM pg_snapshot_xip(last.snapshot) x
-                                     WHERE pg_visible_in_snapshot(x, taken)))
-                OR e.txid >= pg_snapshot_xmax(last.snapshot) AND e.txid < pg_snapshot_xmax(taken))
-           AND pg_visible_in_snapshot(e.txid, taken)) THEN
+    IF last.tick IS NOT NULL
+       AND NOT EXISTS (SELECT FROM outbox._snapshot_log(last.snapshot, taken, '0', 0, 1)) THEN
         RETURN last.tick;
     END IF;
-    INSERT INTO outbox.ticks (tick, snapshot) VALUES (coalesce(last.tick, 0) + 1, taken);
-    RETURN coalesce(last.tick, 0) + 1;
+    INSERT INTO outbox.ticks (tick, snapshot, cluster, database)
+    VALUES (greatest(coalesce(last.tick, 0) + 1, (here.epoch::bigint << 40) + 1), taken,
+            here.system_identifier, here.database)
+    RETURNING tick INTO last.tick;
+    RETURN last.tick;
 END
+$$;
+
+-- The tick before `tick`: the one whose snapshot its batch starts from. 0 (no transaction seen)
+-- when there is none: the first tick of the log, or of a new epoch after a restore, and the first
+-- tick kept once older ones are pruned (a reader's batch starts from a tick that is kept).
+CREATE FUNCTION outbox._tick_before(tick bigint) RETURNS bigint
+LANGUAGE sql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
+    SELECT COALESCE(pg_catalog.max(t.tick), 0) FROM outbox.ticks t
+     WHERE t.tick OPERATOR(pg_catalog.<) _tick_before.tick
 $$;
 
 -- The snapshot of tick `tick`; tick 0 (before the first) sees no transaction. A tick that does not
@@ -76,23 +108,23 @@ BEGIN
 END
 $$;
 
--- The batch of tick `to_tick` after tick `from_tick`: the events of the transactions its snapshot
--- sees and from_tick's does not, after (after_txid, after_seq), at most max_events, in the order
--- of the log's columns (a transaction's events together, in the order it raised them). Those
--- transactions are the ones from_tick saw running, and those that began after it (from its xmax):
--- two index scans, however old the oldest transaction still running.
-CREATE FUNCTION outbox._tick_log(from_tick bigint, to_tick bigint, after_txid pg_catalog.xid8,
-                                 after_seq bigint, max_events integer)
+-- The events of the transactions snapshot `b` sees and snapshot `a` does not, after
+-- (after_txid, after_seq), at most max_events, in the order of the log's columns (a transaction's
+-- events together, in the order it raised them): a batch between two ticks (_tick_log), and what
+-- _tick asks of the batch it would take. Those transactions are the ones `a` saw running, and
+-- those that began after it (from its xmax): two index scans, however old the oldest transaction
+-- still running. Inlined into its callers: no SET, every name and operator qualified.
+CREATE FUNCTION outbox._snapshot_log(a pg_catalog.pg_snapshot, b pg_catalog.pg_snapshot,
+                                     after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
 RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject text, tenant text,
                payload jsonb, headers jsonb, raised_at timestamptz)
 LANGUAGE sql STABLE AS $$
     WITH s AS MATERIALIZED (
-        -- Of those from_tick saw running, the ones to_tick sees ended: a transaction still running
-        -- (a long one with many events, say) is not scanned for at every tick.
+        -- Of those `a` saw running, the ones `b` sees ended: a transaction still running (a long
+        -- one with many events, say) is not scanned for at every tick.
         SELECT t.a, t.b, ARRAY(SELECT x FROM pg_catalog.pg_snapshot_xip(t.a) x
                                 WHERE pg_catalog.pg_visible_in_snapshot(x, t.b)) AS running
-          FROM (SELECT outbox._tick_snapshot(from_tick) AS a, outbox._tick_snapshot(to_tick) AS b
-                OFFSET 0) t)
+          FROM (SELECT a, b OFFSET 0) t)
     SELECT e.txid, e.seq, e.id, e.topic, e.subject, e.tenant, e.payload, e.headers, e.raised_at
       FROM ((SELECT r.* FROM outbox.events r
              WHERE r.txid OPERATOR(pg_catalog.=) ANY ((SELECT s.running FROM s)::pg_catalog.xid8[])
@@ -114,7 +146,20 @@ LANGUAGE sql STABLE AS $$
                AND (r.txid OPERATOR(pg_catalog.>) after_txid OR r.seq OPERATOR(pg_catalog.>) after_seq)
              ORDER BY r.txid, r.seq
              LIMIT COALESCE(max_events, 0))) e
-     WHERE after_seq IS NOT NULL AND from_tick OPERATOR(pg_catalog.<) to_tick
+     WHERE after_seq IS NOT NULL
      ORDER BY e.txid, e.seq
      LIMIT COALESCE(max_events, 0)
+$$;
+
+-- The batch of tick `to_tick` after tick `from_tick` (_snapshot_log between their snapshots).
+CREATE FUNCTION outbox._tick_log(from_tick bigint, to_tick bigint, after_txid pg_catalog.xid8,
+                                 after_seq bigint, max_events integer)
+RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject text, tenant text,
+               payload jsonb, headers jsonb, raised_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT l.txid, l.seq, l.id, l.topic, l.subject, l.tenant, l.payload, l.headers, l.raised_at
+      FROM outbox._snapshot_log(outbox._tick_snapshot(from_tick), outbox._tick_snapshot(to_tick),
+                                after_txid, after_seq, max_events) l
+     WHERE from_tick OPERATOR(pg_catalog.<) to_tick
+     ORDER BY l.txid, l.seq
 $$;

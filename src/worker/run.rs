@@ -374,14 +374,24 @@ impl Worker {
             }
         }
         // A restored log is adopted as soon as its dumped row is in (crate::lineage).
+        let mut adopted = true;
         if restored {
             match in_transaction(crate::lineage::adopt_if_restored) {
                 Ok(()) => self.lineage_warned = false,
                 Err(e) if !self.lineage_warned => {
+                    adopted = false;
                     self.lineage_warned = true;
                     self.failed(&format!("adopting a restored log: {e}"));
                 }
-                Err(_) => {}
+                Err(_) => adopted = false,
+            }
+        }
+        // A tick, before anything is read: it holds every commit up to now (crate::ticks). Not
+        // while a restored log waits to be adopted: its snapshot would be in the terms of an
+        // epoch that is not settled yet.
+        if adopted {
+            if let Err(e) = in_transaction(crate::ticks::take) {
+                self.failed(&format!("taking a tick: {e}"));
             }
         }
 
@@ -882,6 +892,9 @@ impl Worker {
         }
         self.last_prune = Some(Instant::now());
         activity("pruning the log");
+        if let Err(e) = in_transaction(crate::ticks::prune) {
+            self.failed(&format!("pruning ticks: {e}"));
+        }
         for k in crate::prune::aged_partitions() {
             use crate::prune::{Pruned, DELETE_BATCH};
             let why = match in_transaction(|| crate::prune::prune_partition(k)) {

@@ -5,7 +5,7 @@
 //! order, the short transactions are read while the long one is still open, and each transaction
 //! is in the first tick taken after its commit returned.
 
-use pg_outbox_tests::{sqlstate, test_db};
+use pg_outbox_tests::{sqlstate, test_db, worker_db};
 use postgres::Client;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 /// One event as a batch returns it: (tick, txid, seq, writer, transaction, index in it).
 type Read = (i64, u64, i64, i32, i32, i32);
 
-/// Reads the batch of tick `tick` (after tick - 1) page by page.
+/// Reads the batch of tick `tick` (after the tick before it) page by page.
 fn batch(c: &mut Client, tick: i64) -> Vec<Read> {
     let mut out: Vec<Read> = Vec::new();
     let (mut after_txid, mut after_seq) = ("0".to_string(), 0i64);
@@ -23,7 +23,7 @@ fn batch(c: &mut Client, tick: i64) -> Vec<Read> {
         let rows = c
             .query(
                 "SELECT txid::text, seq, (payload->>'w')::int, (payload->>'n')::int, (payload->>'j')::int \
-                   FROM outbox._tick_log($1::int8 - 1, $1::int8, $2::text::xid8, $3, 7)",
+                   FROM outbox._tick_log(outbox._tick_before($1::int8), $1::int8, $2::text::xid8, $3, 7)",
                 &[&tick, &after_txid, &after_seq],
             )
             .unwrap();
@@ -69,6 +69,11 @@ fn every_committed_event_is_in_exactly_one_batch_and_a_long_transaction_holds_ba
     const LONG: i32 = 99;
     let run_for = Duration::from_secs(4);
 
+    // A log that was raised in before (a log's first tick waits for its first raise to commit,
+    // see outbox._tick: here that would be the long transaction's).
+    db.connect()
+        .batch_execute("UPDATE outbox.lineage SET raised = true")
+        .unwrap();
     // The long transaction: raises first, holds its xid while the writers run, raises again.
     let mut long = db.connect();
     let long_began = Instant::now();
@@ -355,7 +360,12 @@ fn ticks_refuse_what_would_break_them() {
         .unwrap()
         .get(0);
     assert_eq!(n, 0);
-    // Nothing raised: no tick but the first; a raise makes the next.
+    // Nothing raised in this database yet (it could be a restore still loading): no tick. A raise
+    // makes the first; none while nothing new commits.
+    let none: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    assert_eq!(none, 0, "no tick before anything was raised here");
+    c.batch_execute("SELECT outbox.raise('t', '{\"w\": 1, \"n\": 1, \"j\": 0}')")
+        .unwrap();
     let first: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
     let again: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
     assert_eq!(
@@ -363,12 +373,24 @@ fn ticks_refuse_what_would_break_them() {
         (1, 1),
         "a tick with an empty batch is not taken"
     );
-    c.batch_execute("SELECT outbox.raise('t', '{\"w\": 1, \"n\": 1, \"j\": 0}')")
+    let got = batch(&mut c, 1);
+    assert_eq!(got.len(), 1);
+    c.batch_execute("SELECT outbox.raise('t', '{\"w\": 1, \"n\": 2, \"j\": 0}')")
         .unwrap();
     let next: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
     assert_eq!(next, 2);
-    let got = batch(&mut c, 2);
-    assert_eq!(got.len(), 1);
+    assert_eq!(batch(&mut c, 2).len(), 1);
+    // A second lineage row (a restore loading into this database): no tick until it is adopted.
+    c.batch_execute(
+        "INSERT INTO outbox.lineage (system_identifier, database, epoch, raised) VALUES (42, 1, 3, true); \
+         INSERT INTO outbox.events (txid, seq, id, topic, payload) \
+         VALUES ((3::int8 << 48)::text::xid8, 1, gen_random_uuid(), 'restored', '{}')",
+    )
+    .unwrap();
+    let held: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    assert_eq!(held, 2, "no tick while the log's lineage is not settled");
+    c.batch_execute("DELETE FROM outbox.lineage WHERE system_identifier = 42")
+        .unwrap();
     // A role with the README's grants may not take ticks or read batches.
     c.batch_execute(
         "CREATE ROLE ticks_app LOGIN; GRANT USAGE ON SCHEMA outbox TO ticks_app; \
@@ -397,6 +419,7 @@ fn ticks_are_in_the_log_epoch() {
     c.batch_execute("SELECT outbox.raise('t', '{\"w\": 1, \"n\": 1, \"j\": 0}')")
         .unwrap();
     let tick: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    assert_eq!(tick, (3 << 40) + 1, "the first tick of epoch 3");
     let got = batch(&mut c, tick);
     assert_eq!(got.len(), 1, "the event is in the batch of the first tick");
     assert!(got[0].1 >= 3 << 48, "a position of epoch 3: {}", got[0].1);
@@ -411,4 +434,145 @@ fn ticks_are_in_the_log_epoch() {
         xmax.parse::<u64>().unwrap() > got[0].1,
         "the snapshot is in the same terms"
     );
+}
+
+/// The newest tick whose snapshot sees transaction `txid` (in the log's terms), if any.
+fn tick_seeing(c: &mut Client, txid: &str) -> Option<i64> {
+    c.query_one(
+        "SELECT min(tick) FROM outbox.ticks WHERE pg_visible_in_snapshot($1::text::xid8, snapshot)",
+        &[&txid],
+    )
+    .unwrap()
+    .get(0)
+}
+
+/// Raises one event in a transaction of its own and returns its transaction id, as positions
+/// carry it.
+fn raise_one(c: &mut Client, topic: &str) -> String {
+    let mut t = c.transaction().unwrap();
+    t.execute("SELECT outbox.raise($1)", &[&topic]).unwrap();
+    let txid: String = t
+        .query_one(
+            "SELECT txid::text FROM outbox.events ORDER BY txid DESC, seq DESC LIMIT 1",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    t.commit().unwrap();
+    txid
+}
+
+#[test]
+fn the_workers_tick_when_a_commit_wakes_them_and_a_long_transaction_does_not_stop_them() {
+    let db = worker_db("ticks_workers");
+    let mut c = db.connect();
+    // A lost wake-up would cost the poll interval: 30 s. Each commit must be in a tick within 5.
+    db.cluster().set("pg_outbox.poll_interval", "30s");
+    c.batch_execute(
+        "CREATE TABLE seen (n bigint); \
+         CREATE FUNCTION keep(events outbox.event[]) RETURNS void LANGUAGE sql \
+           AS 'INSERT INTO seen SELECT count(*) FROM unnest(events)'; \
+         SELECT outbox.create_sink('keeper', 'keep(outbox.event[])')",
+    )
+    .unwrap();
+    let in_a_tick = |c: &mut Client, txid: &str| {
+        pg_outbox_tests::eventually(
+            &format!("a tick that sees transaction {txid}"),
+            Duration::from_secs(5),
+            || tick_seeing(c, txid),
+        )
+    };
+    let mut ticks = Vec::new();
+    for _ in 0..5 {
+        let txid = raise_one(&mut c, "tick.me");
+        ticks.push(in_a_tick(&mut c, &txid));
+    }
+    assert!(
+        ticks.windows(2).all(|w| w[0] < w[1]),
+        "each commit in a later tick: {ticks:?}"
+    );
+
+    // A long transaction holds an xid and has raised: the others' commits are still in ticks at
+    // once, and its own event is in the first tick after it commits, not before.
+    let mut long = db.connect();
+    long.batch_execute("BEGIN; SELECT outbox.raise('long')")
+        .unwrap();
+    let long_txid: String = long
+        .query_one("SELECT outbox._log_txid()::text", &[])
+        .unwrap()
+        .get(0);
+    for _ in 0..3 {
+        let txid = raise_one(&mut c, "short");
+        let t = in_a_tick(&mut c, &txid);
+        assert_eq!(tick_seeing(&mut c, &long_txid), None, "tick {t}");
+    }
+    let before_commit: i64 = c
+        .query_one("SELECT max(tick) FROM outbox.ticks", &[])
+        .unwrap()
+        .get(0);
+    long.batch_execute("COMMIT").unwrap();
+    let t = in_a_tick(&mut c, &long_txid);
+    assert!(t > before_commit);
+    db.cluster().set("pg_outbox.poll_interval", "1s");
+}
+
+/// Shared buffers a statement touched (hit or read), from EXPLAIN (ANALYZE, BUFFERS): the first
+/// "Buffers:" line is the top node's, which counts everything below it.
+fn buffers(c: &mut Client, sql: &str) -> i64 {
+    let plan: Vec<String> = c
+        .query(&format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"), &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let line = plan
+        .iter()
+        .find(|l| l.trim_start().starts_with("Buffers:"))
+        .unwrap_or_else(|| panic!("no buffers in {plan:#?}"));
+    line.split_whitespace()
+        .filter_map(|w| w.strip_prefix("hit=").or_else(|| w.strip_prefix("read=")))
+        .map(|n| n.parse::<i64>().unwrap())
+        .sum()
+}
+
+#[test]
+fn a_long_transaction_with_many_events_is_not_scanned_again_at_every_tick() {
+    let db = test_db("ticks_long");
+    let mut c = db.connect();
+    c.batch_execute("SELECT outbox.raise('first')").unwrap();
+    // A long transaction has raised 20,000 events and is still open: it is in the running list of
+    // every tick taken meanwhile.
+    let mut long = db.connect();
+    long.batch_execute(
+        "BEGIN; SELECT outbox.raise_many(ARRAY['long'], array_agg(jsonb_build_object('i', i))) \
+           FROM generate_series(1, 20000) i",
+    )
+    .unwrap();
+    let mut tick = 0i64;
+    for _ in 0..3 {
+        c.batch_execute("SELECT outbox.raise('short')").unwrap();
+        tick = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    }
+    // Reading a batch, or asking whether one would be empty, does not visit its rows (a scan of
+    // the index for it would touch a buffer for each of them).
+    let read = buffers(
+        &mut c,
+        &format!("SELECT count(*) FROM outbox._tick_log(outbox._tick_before({tick}), {tick}, '0', 0, 1000)"),
+    );
+    assert!(read < 200, "reading a batch touched {read} buffers");
+    c.batch_execute("SELECT outbox.raise('short')").unwrap();
+    let take = buffers(&mut c, "SELECT outbox._tick()");
+    assert!(take < 200, "taking a tick touched {take} buffers");
+    long.batch_execute("COMMIT").unwrap();
+    // Once it has ended, its events are in the next batch, all of them.
+    let next: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox._tick_log(outbox._tick_before($1), $1, '0', 0, 100000) \
+              WHERE topic = 'long'",
+            &[&next],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 20000);
 }

@@ -53,5 +53,6 @@ run dispatch bash benches/run.sh dispatch
 run http bash benches/run.sh http
 run subscriptions bash benches/run.sh subscriptions
 run jobs bash benches/jobs.sh
+run ticks bash benches/ticks.sh
 run kafka bash benches/run.sh kafka
 /usr/bin/python3 benches/report.py "$OUT"

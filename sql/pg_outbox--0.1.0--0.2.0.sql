@@ -1475,6 +1475,12 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'create_kafka_sink_wrapper';
 
+-- The lock outbox._tick() takes first (src/ticks.rs).
+CREATE FUNCTION outbox."_lock_ticks"() RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'lock_ticks_wrapper';
+
 -- Ticks: snapshots of which transactions had ended, taken one after another by the workers, so
 -- that readers can read the log batch by batch without waiting for the oldest transaction still
 -- running (issue 15; PgQ's ticks are the prior art). A batch is the events of the transactions
@@ -1503,8 +1509,8 @@ CREATE TABLE outbox.ticks (
 );
 
 -- Takes a tick unless its batch would be empty; returns the newest tick (0 before the first). One
--- taker at a time: the table's lock (which readers do not take) orders them, and the snapshot is
--- taken by a statement that starts once the lock is held, so after the previous taker committed:
+-- taker at a time: a lock of their own (outbox._lock_ticks, src/ticks.rs) orders them, and the
+-- snapshot is taken by a statement that starts once it is held, so after the previous taker committed:
 -- it sees every transaction the previous tick saw, and the tick numbers follow the snapshots. In
 -- READ COMMITTED only (each statement its own snapshot). Commit soon: the lock is held until then.
 --
@@ -1526,7 +1532,7 @@ BEGIN
             USING ERRCODE = 'invalid_transaction_state',
                   DETAIL = 'its snapshot must be taken after the previous tick committed';
     END IF;
-    LOCK TABLE outbox.ticks IN SHARE ROW EXCLUSIVE MODE;
+    PERFORM outbox._lock_ticks();
     SELECT * INTO last FROM outbox.ticks t ORDER BY t.tick DESC LIMIT 1;
     SELECT l.* INTO here
       FROM outbox.lineage l, pg_control_system() s, pg_database d
@@ -1554,9 +1560,10 @@ BEGIN
 END
 $$;
 
--- The tick before `tick`: the one whose snapshot its batch starts from. 0 (no transaction seen)
--- when there is none: the first tick of the log, or of a new epoch after a restore, and the first
--- tick kept once older ones are pruned (a reader's batch starts from a tick that is kept).
+-- The tick before `tick`: the one whose snapshot its batch starts from (for the first tick of a
+-- new epoch, the last one restored). 0 (no transaction seen) when there is none: the first tick
+-- of the log, and the first tick kept once older ones are pruned (whose batch then holds every
+-- event the log keeps up to it; a reader by ticks keeps the snapshot its batch starts from).
 CREATE FUNCTION outbox._tick_before(tick bigint) RETURNS bigint
 LANGUAGE sql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
     SELECT COALESCE(pg_catalog.max(t.tick), 0) FROM outbox.ticks t
@@ -1641,6 +1648,55 @@ LANGUAGE sql STABLE AS $$
      ORDER BY l.txid, l.seq
 $$;
 
+-- The batch window of a reader by ticks, as outbox._read_window is the read horizon's: the next
+-- events of the batch from snapshot `since` to tick `tick` after (after_txid, after_seq), at most
+-- max_events, numbered n from 1, cut before their payloads and headers pass max_bytes (never
+-- empty while the batch has an event left). Inlined into the workers' kept statements.
+CREATE FUNCTION outbox._batch_window(since pg_catalog.pg_snapshot, tick bigint,
+                                     after_txid pg_catalog.xid8, after_seq bigint,
+                                     max_events integer, max_bytes bigint)
+RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
+               headers jsonb, raised_at timestamptz, n bigint)
+LANGUAGE sql STABLE AS $$
+    SELECT w.id,
+           (w.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) w.seq::pg_catalog.text,
+           w.topic, w.subject, w.tenant, w.payload, w.headers, w.raised_at, w.n
+      FROM (SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at,
+                   pg_catalog.row_number() OVER upto AS n,
+                   pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
+                                                         2147483647)::pg_catalog.int4) OVER upto AS upto
+              FROM outbox._snapshot_log(since, outbox._tick_snapshot(tick), after_txid, after_seq,
+                                        max_events) r
+            WINDOW upto AS (ORDER BY r.txid, r.seq ROWS UNBOUNDED PRECEDING)) w
+     WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
+       AND max_bytes IS NOT NULL
+     ORDER BY w.txid, w.seq
+$$;
+
+-- Readers by ticks: the cursor's batch (see schema.sql).
+ALTER TABLE outbox.consumers
+    ADD COLUMN read_by text NOT NULL DEFAULT 'horizon',
+    ADD COLUMN tick bigint,
+    ADD COLUMN since pg_catalog.pg_snapshot,
+    ADD CONSTRAINT consumers_read_by CHECK (read_by IN ('horizon', 'ticks')),
+    ADD CONSTRAINT consumers_batch CHECK ((tick IS NULL) = (since IS NULL) AND (tick IS NULL OR read_by = 'ticks'));
+CREATE OR REPLACE FUNCTION outbox._cursor_forward_only() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF (coalesce(NEW.tick, 0), NEW.txid, NEW.seq) < (coalesce(OLD.tick, 0), OLD.txid, OLD.seq)
+       AND NEW.rewinds <> OLD.rewinds + 1 THEN
+        RAISE EXCEPTION 'cursor of consumer "%" cannot move back from %:% to %:%',
+            OLD.name, OLD.txid, OLD.seq, NEW.txid, NEW.seq
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'outbox.rewind() moves a cursor back on purpose';
+    END IF;
+    RETURN NEW;
+END
+$$;
+DROP TRIGGER consumers_forward_only ON outbox.consumers;
+CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq, tick ON outbox.consumers
+    FOR EACH ROW EXECUTE FUNCTION outbox._cursor_forward_only();
+
 -- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install), named one by one:
 -- a REVOKE on every function would record the grants users made on the others as the
 -- extension's own initial privileges (pg_dump would then leave them out), and default
@@ -1661,7 +1717,7 @@ BEGIN
                     'set_schedule', 'schedule', 'schedule_status', '_schedule', '_schedule_allowed',
                     '_schedule_denied', '_ran_each', '_place_one_offs', '_check_expire_after', '_alter_queue',
                     'alter_queue', '_announce_jobs', '_schedule_status', '_announce', 'create_kafka_sink', 'alter_sink',
-                    '_log_snapshot', '_tick', '_tick_before', '_tick_snapshot', '_snapshot_log', '_tick_log']) LOOP
+                    '_log_snapshot', '_lock_ticks', '_tick', '_tick_before', '_tick_snapshot', '_snapshot_log', '_tick_log', '_batch_window']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

@@ -148,13 +148,68 @@ pub fn insert_consumer(name: &str, kind: &str, cursor: Position, owner: pg_sys::
 
 /// Moves a cursor forward to `to`; false (and nothing changed) when it is not ahead. The
 /// condition, not the caller, decides: a late save from a holder that lost its lease compares
-/// against the row as it is now and changes nothing.
+/// against the row as it is now and changes nothing. A cursor of the read horizon's: a reader
+/// that reads by ticks is past it (see [`At`]).
 pub fn save(name: &str, to: Position) -> bool {
     as_owner(|| {
         crate::plans::applied(
             "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, moved_at = now() \
-              WHERE name = $1 AND (txid, seq) < ($2::xid8, $3) RETURNING true",
+              WHERE name = $1 AND (coalesce(tick, 0), txid, seq) < (0, $2::xid8, $3) RETURNING true",
             &cursor_args(name, to),
+        )
+    })
+    .unwrap_or_else(|e| panic!("moving cursor of \"{name}\": {e}"))
+}
+
+/// The batch a reader by ticks is in (issue 15, `sql/ticks.sql`): the events of the transactions
+/// the snapshot of `tick` sees and `since` does not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    pub tick: i64,
+    /// pg_snapshot text, in the log's terms.
+    pub since: String,
+}
+
+/// Where a reader is: `pos`, read by the read horizon (`batch` None), or within a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct At {
+    pub pos: Position,
+    pub batch: Option<Batch>,
+}
+
+impl At {
+    pub fn horizon(pos: Position) -> At {
+        At { pos, batch: None }
+    }
+}
+
+impl std::fmt::Display for At {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.batch {
+            None => write!(f, "{}", self.pos),
+            Some(b) => write!(f, "{} (tick {})", self.pos, b.tick),
+        }
+    }
+}
+
+/// [`save`] for a reader that may read by ticks: moves it forward to `to`, batch and all.
+pub fn save_at(name: &str, to: &At) -> bool {
+    let Some(batch) = &to.batch else {
+        return save(name, to.pos);
+    };
+    let [n, t, s] = cursor_args(name, to.pos);
+    as_owner(|| {
+        crate::plans::applied(
+            "UPDATE outbox.consumers SET tick = $4, since = $5::text::pg_catalog.pg_snapshot, \
+                    txid = $2::xid8, seq = $3, moved_at = now() \
+              WHERE name = $1 AND (coalesce(tick, 0), txid, seq) < ($4, $2::xid8, $3) RETURNING true",
+            &[
+                n,
+                t,
+                s,
+                DatumWithOid::from(batch.tick),
+                DatumWithOid::from(batch.since.as_str()),
+            ],
         )
     })
     .unwrap_or_else(|e| panic!("moving cursor of \"{name}\": {e}"))
@@ -194,8 +249,8 @@ fn rewind(consumer: Option<&str>, position: Option<&str>) -> String {
     let (consumer, found) = owned_consumer(consumer, "rewind");
     as_owner(|| {
         Spi::run_with_args(
-            "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, rewinds = rewinds + 1, \
-                    moved_at = now() WHERE name = $1",
+            "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, tick = NULL, since = NULL, \
+                    rewinds = rewinds + 1, moved_at = now() WHERE name = $1",
             &cursor_args(&consumer, target),
         )
     })

@@ -65,6 +65,11 @@ pub enum Error {
     HandlerNotExecutable(String),
     /// An operation that needs READ COMMITTED (fresh snapshots per statement).
     Isolation(&'static str),
+    /// A way of reading the log a sink cannot take (`outbox.alter_sink`'s read_by).
+    ReadBy {
+        sink: String,
+        why: &'static str,
+    },
     /// An event's payload and headers over `pg_outbox.max_event_size`; `what` names the argument.
     EventTooLarge {
         what: String,
@@ -108,6 +113,7 @@ impl Error {
             Error::HandlerNotExecutable(_) => ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::Isolation(_) => ERRCODE_ACTIVE_SQL_TRANSACTION,
             Error::EventTooLarge { .. } => ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            Error::ReadBy { .. } => ERRCODE_FEATURE_NOT_SUPPORTED,
         }
     }
 
@@ -158,6 +164,7 @@ impl Error {
             Error::EventTooLarge { what, size, max } => {
                 format!("{what} of an event must be at most {max} bytes together, not {size}")
             }
+            Error::ReadBy { sink, why } => format!("sink \"{sink}\" {why}"),
         }
     }
 
@@ -215,6 +222,9 @@ impl Error {
             Error::Isolation(_) => Some("it needs to see cursors committed while it waited".into()),
             Error::EventTooLarge { .. } => Some(
                 "pg_outbox.max_event_size (superuser) sets the limit; store large documents in a table and put their key in the event".into(),
+            ),
+            Error::ReadBy { .. } => Some(
+                "SQL sinks read by ticks (read_by \"ticks\") or by the read horizon (\"horizon\", the default); a sink that reads by ticks goes on doing so".into(),
             ),
             _ => None,
         }

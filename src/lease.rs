@@ -27,6 +27,8 @@ pub enum Class {
     /// An each schedule's run: one worker at a time. Key: hashtext of its name (two names that
     /// share one only take turns).
     Schedule = 4,
+    /// Taking a tick (`outbox._tick()`): one taker at a time, in the order they asked. Key: 0.
+    Ticks = 5,
 }
 
 fn tag(class: Class, key: i32) -> pg_sys::LOCKTAG {
@@ -67,4 +69,10 @@ pub fn cursors_shared() {
 /// hold a worker.
 pub fn cursors_exclusive(wait: bool) -> bool {
     acquire(Class::Cursors, 0, pg_sys::ExclusiveLock, wait)
+}
+
+/// Exclusive, waiting: this transaction takes a tick, after the one before it committed (the lock
+/// is released when it does). Held by the workers' tick transactions only, which are short.
+pub fn ticks_exclusive() {
+    acquire(Class::Ticks, 0, pg_sys::ExclusiveLock, true);
 }

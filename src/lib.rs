@@ -43,7 +43,11 @@ pgrx::extension_sql_file!(
     name = "window",
     requires = ["schema", read_rule::event_size]
 );
-pgrx::extension_sql_file!("sql/ticks.sql", name = "ticks", requires = ["schema"]);
+pgrx::extension_sql_file!(
+    "sql/ticks.sql",
+    name = "ticks",
+    requires = ["schema", read_rule::event_size]
+);
 pgrx::extension_sql_file!("sql/sinks.sql", name = "sinks", requires = ["schema"]);
 pgrx::extension_sql_file!("sql/jobs.sql", name = "jobs", requires = ["schema"]);
 pgrx::extension_sql_file!("sql/schedules.sql", name = "schedules", requires = ["jobs"]);

@@ -120,21 +120,31 @@ pub fn epoch_for_raise() -> u64 {
     if let Some((_, epoch)) = SETTLED.with(|s| s.get()) {
         return epoch;
     }
-    let epoch = as_owner(|| {
-        if let Some(epoch) = steady(&rows()) {
+    let (epoch, marked) = as_owner(|| {
+        let rows = rows();
+        if let Some(epoch) = steady(&rows) {
+            if rows[0].raised {
+                return (epoch, true);
+            }
             // Marked without waiting: a transaction that raised first and is still open holds
-            // the row; it marks it when it commits (or the next raise does).
+            // the row; it marks it when it commits, or the next raise does (this backend's
+            // included: the epoch is kept only once the mark is seen committed, so that a first
+            // raise rolled back does not leave the log unmarked, and without ticks).
             Spi::run(
                 "UPDATE outbox.lineage l SET raised = true \
                    FROM (SELECT ctid FROM outbox.lineage WHERE NOT raised FOR UPDATE SKIP LOCKED) r \
                   WHERE l.ctid = r.ctid",
             )
             .unwrap_or_else(|e| panic!("marking outbox.lineage: {e}"));
-            return epoch;
+            return (epoch, false);
         }
-        adopt(true)
+        (adopt(true), false)
     });
-    settle(epoch)
+    if marked {
+        settle(epoch)
+    } else {
+        epoch
+    }
 }
 
 /// The epoch of a settled lineage: one row, this database's.

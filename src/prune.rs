@@ -37,8 +37,14 @@ fn prune_bound(wait: bool) -> Option<Position> {
     // ORDER BY c.txid, not txid: a bare name in ORDER BY means the output column first, here
     // txid::text, and text orders "10674" before "5099". That bound let pruning delete events a
     // lagging consumer had not read (found by the chaos soak).
+    // A reader by ticks has read every event of the transactions its batch's `since` sees: all
+    // those before that snapshot's xmin (the rest of what it has read is not a prefix of the log).
     let lowest = Spi::get_two::<String, i64>(
-        "SELECT c.txid::text, c.seq FROM outbox.consumers c ORDER BY c.txid, c.seq LIMIT 1",
+        "SELECT b.txid::text, b.seq FROM (\
+             SELECT CASE WHEN c.tick IS NULL THEN c.txid ELSE pg_snapshot_xmin(c.since) END AS txid, \
+                    CASE WHEN c.tick IS NULL THEN c.seq ELSE 0 END AS seq \
+               FROM outbox.consumers c) b \
+          ORDER BY b.txid, b.seq LIMIT 1",
     );
     match lowest {
         Ok((Some(txid), Some(seq))) => {

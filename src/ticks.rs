@@ -38,9 +38,12 @@ pub fn take() -> i64 {
     .unwrap_or(0)
 }
 
-/// Deletes the ticks no reader needs: for now (until readers read by ticks) those older than
-/// `pg_outbox.retention`, always keeping the newest (the next tick is numbered after it, and
-/// needs its snapshot). Returns how many went.
+/// Deletes the ticks no reader needs: those older than `pg_outbox.retention` and before the tick
+/// of every reader's batch (its snapshot is what the batch reads up to, and the next batch starts
+/// from it), always keeping the newest (the next tick is numbered after it, and needs its
+/// snapshot). Returns how many went. Cursors only move forward, to later ticks, and a reader
+/// starts its first batch at the newest tick (`dispatch::first_batch`): what this reads as the
+/// lowest tick in use stays below every tick a reader may come to.
 pub fn prune() -> i64 {
     if !crate::dispatch::lock_tables() {
         return 0;
@@ -50,9 +53,11 @@ pub fn prune() -> i64 {
             client,
             "WITH gone AS (DELETE FROM outbox.ticks t \
                            WHERE t.taken_at OPERATOR(pg_catalog.<) \
-                                 pg_catalog.now() OPERATOR(pg_catalog.-) \
-                                 pg_catalog.make_interval(secs => $1::pg_catalog.float8) \
+                                 (pg_catalog.now() OPERATOR(pg_catalog.-) \
+                                  pg_catalog.make_interval(secs => $1::pg_catalog.float8)) \
                              AND t.tick OPERATOR(pg_catalog.<) (SELECT pg_catalog.max(n.tick) FROM outbox.ticks n) \
+                             AND NOT EXISTS (SELECT FROM outbox.consumers c \
+                                              WHERE c.tick OPERATOR(pg_catalog.<=) t.tick) \
                           RETURNING 1) \
              SELECT pg_catalog.count(*) FROM gone",
             Some(1),
@@ -63,4 +68,13 @@ pub fn prune() -> i64 {
     }))
     .unwrap_or_else(|e| panic!("pruning ticks: {e}"))
     .unwrap_or(0)
+}
+
+/// `outbox._lock_ticks()`: the lock `outbox._tick()` takes first (see `crate::lease`): not a lock
+/// on outbox.ticks, which every worker transaction holds ROW EXCLUSIVE from its start (a stronger
+/// one taken by the ticker would wait for all of them, and two tickers would deadlock), nor an
+/// advisory lock, which any role could take first and hold.
+#[pg_extern(name = "_lock_ticks", volatile, parallel_unsafe)]
+fn lock_ticks() {
+    crate::lease::ticks_exclusive();
 }

@@ -14,10 +14,13 @@ pub struct SinkOptions {
     /// `synchronous_commit` in the README): off trades a crash's last commits, delivered again
     /// after it, for fewer waits on the disk.
     pub synchronous_commit: Option<bool>,
+    /// How the sink reads the log: by ticks (`true`, no long transaction holds it back) or by the
+    /// read horizon (`false`).
+    pub read_by_ticks: Option<bool>,
 }
 
 /// The options a sink takes, for messages.
-pub const SINK_OPTIONS: &str = "synchronous_commit (boolean)";
+pub const SINK_OPTIONS: &str = "synchronous_commit (boolean), read_by (\"ticks\" or \"horizon\")";
 
 /// Parses the options object of `alter_sink`.
 pub fn parse(options: &Value) -> Result<SinkOptions, Invalid> {
@@ -45,6 +48,22 @@ pub fn parse(options: &Value) -> Result<SinkOptions, Invalid> {
                     format!(
                         "option synchronous_commit must be true or false, not {}",
                         kind(other)
+                    ),
+                ))
+            }
+            ("read_by", Value::String(how)) if how == "ticks" => parsed.read_by_ticks = Some(true),
+            ("read_by", Value::String(how)) if how == "horizon" => {
+                parsed.read_by_ticks = Some(false)
+            }
+            ("read_by", other) => {
+                return Err(Invalid::new(
+                    InvalidKind::Parameter,
+                    format!(
+                        "option read_by must be \"ticks\" or \"horizon\", not {}",
+                        match other {
+                            Value::String(s) => format!("\"{}\"", clip(s)),
+                            other => kind(other).to_string(),
+                        }
                     ),
                 ))
             }
@@ -89,7 +108,8 @@ mod tests {
         assert_eq!(
             parse(&json!({"synchronous_commit": false})).unwrap(),
             SinkOptions {
-                synchronous_commit: Some(false)
+                synchronous_commit: Some(false),
+                read_by_ticks: None,
             }
         );
         assert_eq!(
@@ -102,6 +122,30 @@ mod tests {
             let e = parse(&json!({ "synchronous_commit": bad })).unwrap_err();
             assert_eq!(e.kind, InvalidKind::Parameter);
             assert!(e.message.contains("true or false"), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn read_by_is_ticks_or_horizon() {
+        assert_eq!(
+            parse(&json!({"read_by": "ticks"})).unwrap().read_by_ticks,
+            Some(true)
+        );
+        assert_eq!(
+            parse(&json!({"read_by": "horizon", "synchronous_commit": true})).unwrap(),
+            SinkOptions {
+                synchronous_commit: Some(true),
+                read_by_ticks: Some(false),
+            }
+        );
+        for bad in [json!("Ticks"), json!("xmin"), json!(true), json!(null)] {
+            let e = parse(&json!({ "read_by": bad })).unwrap_err();
+            assert_eq!(e.kind, InvalidKind::Parameter);
+            assert!(
+                e.message.contains("\"ticks\" or \"horizon\""),
+                "{}",
+                e.message
+            );
         }
     }
 

@@ -13,7 +13,7 @@ pub mod http;
 pub mod jobs;
 pub mod kafka;
 
-use crate::cursor;
+use crate::cursor::{self, At, Batch};
 use crate::plans;
 use crate::settings;
 use crate::transaction::{in_subtransaction, Failure};
@@ -295,7 +295,9 @@ struct Sink {
     topic_regex: Option<String>,
     max_batch: u32,
     state: SinkState,
-    cursor: Position,
+    cursor: At,
+    /// Reads by ticks (`outbox.alter_sink(id, '{"read_by": "ticks"}')`), not by the read horizon.
+    by_ticks: bool,
     event_array_type: pg_sys::Oid,
     /// Off: this pass's commit does not wait for the WAL flush (`outbox.alter_sink`).
     synchronous_commit: bool,
@@ -341,7 +343,7 @@ fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
         "SELECT s.id, pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(p.proname), \
                 c.owner, s.topic_regex, s.batch_size, s.current_batch, s.attempts, \
                 c.txid::text, c.seq, 'outbox.event[]'::pg_catalog.regtype::pg_catalog.oid, \
-                s.synchronous_commit \
+                s.synchronous_commit, c.read_by = 'ticks', c.tick, c.since::text \
            FROM outbox.sinks s \
            JOIN outbox.consumers c ON c.name = s.id \
            JOIN pg_catalog.pg_proc p ON p.oid = s.handler \
@@ -364,7 +366,14 @@ fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
                 batch: r.get::<i32>(6)?.expect("current_batch").max(1) as u32,
                 attempts: r.get::<i32>(7)?.expect("attempts").max(0) as u32,
             },
-            cursor: Position::new(txid.parse().expect("xid8"), r.get(9)?.expect("seq")),
+            cursor: At {
+                pos: Position::new(txid.parse().expect("xid8"), r.get(9)?.expect("seq")),
+                batch: match (r.get::<i64>(13)?, r.get::<String>(14)?) {
+                    (Some(tick), Some(since)) => Some(Batch { tick, since }),
+                    _ => None,
+                },
+            },
+            by_ticks: r.get(12)?.expect("read_by is NOT NULL"),
             event_array_type: r.get(10)?.expect("type oid"),
             synchronous_commit: r.get(11)?.expect("synchronous_commit is NOT NULL"),
         });
@@ -398,7 +407,7 @@ pub(crate) fn pause_orphan(id: &str, owner: pg_sys::Oid) -> Result<(), pgrx::spi
 /// sink's topics match (NULL when none do), as one outbox.event[] datum.
 struct Window {
     count: usize,
-    last: Option<Position>,
+    last: Option<At>,
     matching: usize,
     events: Option<pg_sys::Datum>,
 }
@@ -412,27 +421,75 @@ const WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.positio
 
 fn read_window(
     client: &SpiClient<'_>,
-    after: Position,
+    after: &At,
     max: u32,
     regex: &Option<String>,
 ) -> Result<Window, pgrx::spi::Error> {
-    let table = plans::select(
-        client,
-        WINDOW_SQL,
-        Some(1),
-        &[
-            DatumWithOid::from(after.txid.to_string()),
-            DatumWithOid::from(after.seq),
-            DatumWithOid::from(max as i32),
-            DatumWithOid::from(regex.clone()),
-            DatumWithOid::from(settings::MAX_BATCH_BYTES.get() as i64),
-        ],
-    )?;
+    let mut at = after.clone();
+    for _ in 0..BATCHES_PER_WINDOW {
+        let window = read_window_in(client, &at, max, regex)?;
+        if window.count > 0 {
+            return Ok(window);
+        }
+        match next_batch(client, &at)? {
+            Some(next) => at = next,
+            None => break,
+        }
+    }
+    Ok(Window {
+        count: 0,
+        last: None,
+        matching: 0,
+        events: None,
+    })
+}
+
+/// Batches a window read looks through for its first event: the reader moves on from a batch
+/// it has read to the end only when it reads again, and a batch may hold nothing for it (pruned).
+const BATCHES_PER_WINDOW: usize = 64;
+
+/// The window of [`read_window`] within the reader's batch (or after its read-horizon cursor).
+fn read_window_in(
+    client: &SpiClient<'_>,
+    after: &At,
+    max: u32,
+    regex: &Option<String>,
+) -> Result<Window, pgrx::spi::Error> {
+    let max_bytes = settings::MAX_BATCH_BYTES.get() as i64;
+    let table = match &after.batch {
+        None => plans::select(
+            client,
+            WINDOW_SQL,
+            Some(1),
+            &[
+                DatumWithOid::from(after.pos.txid.to_string()),
+                DatumWithOid::from(after.pos.seq),
+                DatumWithOid::from(max as i32),
+                DatumWithOid::from(regex.clone()),
+                DatumWithOid::from(max_bytes),
+            ],
+        )?,
+        Some(batch) => plans::select(
+            client,
+            BATCH_WINDOW_SQL,
+            Some(1),
+            &[
+                DatumWithOid::from(after.pos.txid.to_string()),
+                DatumWithOid::from(after.pos.seq),
+                DatumWithOid::from(max as i32),
+                DatumWithOid::from(regex.clone()),
+                DatumWithOid::from(max_bytes),
+                DatumWithOid::from(batch.since.as_str()),
+                DatumWithOid::from(batch.tick),
+            ],
+        )?,
+    };
     let row = table.first();
     let count = row.get::<i64>(1)?.unwrap_or(0) as usize;
-    let last = row
-        .get::<String>(2)?
-        .map(|p| p.parse().expect("positions are well-formed"));
+    let last = row.get::<String>(2)?.map(|p| At {
+        pos: p.parse().expect("positions are well-formed"),
+        batch: after.batch.clone(),
+    });
     let matching = row.get::<i64>(3)?.unwrap_or(0) as usize;
     let events = row.get_datum_by_ordinal(4)?;
     Ok(Window {
@@ -441,6 +498,71 @@ fn read_window(
         matching,
         events,
     })
+}
+
+/// [`WINDOW_SQL`] for a reader by ticks: within its batch ($6, the snapshot it starts from, and
+/// $7, its tick).
+const BATCH_WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
+        count(*) FILTER (WHERE $4::text IS NULL OR r.topic ~ $4)::int8, \
+        pg_catalog.array_agg(ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, \
+                                 r.raised_at)::outbox.event ORDER BY r.n) \
+            FILTER (WHERE $4::text IS NULL OR r.topic ~ $4) \
+   FROM outbox._batch_window($6::text::pg_catalog.pg_snapshot, $7, $1::pg_catalog.xid8, $2, $3, $5) r";
+
+/// The start of the batch after `at`'s, once the tick after its tick is taken: that batch starts
+/// from the snapshot of `at`'s tick. None for a read-horizon cursor.
+fn next_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::Error> {
+    let Some(batch) = &at.batch else {
+        return Ok(None);
+    };
+    let table = plans::select(
+        client,
+        "SELECT n.tick, c.snapshot::text FROM outbox.ticks c \
+           CROSS JOIN LATERAL (SELECT t.tick FROM outbox.ticks t \
+                                WHERE t.tick OPERATOR(pg_catalog.>) c.tick ORDER BY t.tick LIMIT 1) n \
+          WHERE c.tick OPERATOR(pg_catalog.=) $1",
+        Some(1),
+        &[DatumWithOid::from(batch.tick)],
+    )?;
+    if table.is_empty() {
+        return Ok(None);
+    }
+    let row = table.first();
+    Ok(Some(At {
+        pos: Position::ORIGIN,
+        batch: Some(Batch {
+            tick: row.get::<i64>(1)?.expect("tick is NOT NULL"),
+            since: row.get::<String>(2)?.expect("snapshot is NOT NULL"),
+        }),
+    }))
+}
+
+/// Where a reader by ticks whose cursor is still the read horizon's (new, or rewound) starts
+/// reading by ticks: in a batch from the snapshot that sees exactly what it has read (every
+/// transaction before its position's, as the horizon's cursor means; of its position's own, the
+/// events up to it) to the newest tick, once that tick sees all of those ended (none of them is
+/// below its xmin). None until then: it reads by the horizon meanwhile.
+fn first_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::Error> {
+    let table = plans::select(
+        client,
+        "SELECT t.tick FROM outbox.ticks t \
+          WHERE pg_catalog.pg_snapshot_xmin(t.snapshot) OPERATOR(pg_catalog.>=) $1::pg_catalog.xid8 \
+            AND t.tick OPERATOR(pg_catalog.=) (SELECT pg_catalog.max(m.tick) FROM outbox.ticks m)",
+        Some(1),
+        &[DatumWithOid::from(at.pos.txid.to_string())],
+    )?;
+    if table.is_empty() {
+        return Ok(None);
+    }
+    let tick = table.first().get::<i64>(1)?.expect("tick is NOT NULL");
+    let seen = at.pos.txid.max(1);
+    Ok(Some(At {
+        pos: at.pos,
+        batch: Some(Batch {
+            tick,
+            since: format!("{seen}:{seen}:"),
+        }),
+    }))
 }
 
 /// How many events the window after `after` holds, and the last one's position, without reading
@@ -468,6 +590,49 @@ pub(crate) fn window_shape(
         .get::<String>(2)?
         .map(|p| p.parse().expect("positions are well-formed"));
     Ok((count, last))
+}
+
+/// [`window_shape`] for a sink that may read by ticks (the window [`read_window`] would read).
+fn window_shape_at(
+    client: &SpiClient<'_>,
+    after: &At,
+    max: u32,
+) -> Result<(usize, Option<At>), pgrx::spi::Error> {
+    let mut at = after.clone();
+    for _ in 0..BATCHES_PER_WINDOW {
+        let Some(batch) = &at.batch else {
+            let (count, last) = window_shape(client, at.pos, max)?;
+            return Ok((count, last.map(At::horizon)));
+        };
+        let table = plans::select(
+            client,
+            "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4] \
+               FROM outbox._batch_window($5::text::pg_catalog.pg_snapshot, $6, $1::pg_catalog.xid8, $2, $3, $4) r",
+            Some(1),
+            &[
+                DatumWithOid::from(at.pos.txid.to_string()),
+                DatumWithOid::from(at.pos.seq),
+                DatumWithOid::from(max as i32),
+                DatumWithOid::from(settings::MAX_BATCH_BYTES.get() as i64),
+                DatumWithOid::from(batch.since.as_str()),
+                DatumWithOid::from(batch.tick),
+            ],
+        )?;
+        let row = table.first();
+        let count = row.get::<i64>(1)?.unwrap_or(0) as usize;
+        if count > 0 {
+            let last = row.get::<String>(2)?.map(|p| At {
+                pos: p.parse().expect("positions are well-formed"),
+                batch: at.batch.clone(),
+            });
+            return Ok((count, last));
+        }
+        match next_batch(client, &at)? {
+            Some(next) => at = next,
+            None => break,
+        }
+    }
+    Ok((0, None))
 }
 
 /// Calls the handler on `events` (an outbox.event[] datum) in a subtransaction, as the sink's
@@ -672,6 +837,7 @@ pub fn pass(id: &str) -> PassResult {
         ),
         exact: false,
     };
+    start_reading_by_ticks(&mut sink);
     match deliver_windows(&mut sink, &reach) {
         Ok(Windows::Failed(result)) => result,
         Ok(Windows::Went { handed: 0, .. }) => PassResult::Idle,
@@ -682,6 +848,19 @@ pub fn pass(id: &str) -> PassResult {
             full,
         },
         Err(e) => panic!("sink \"{id}\": {e}"),
+    }
+}
+
+/// A sink that reads by ticks and whose cursor is still the read horizon's starts its first batch
+/// when a tick allows ([`first_batch`]); it is saved with the cursor's next move.
+fn start_reading_by_ticks(sink: &mut Sink) {
+    if !sink.by_ticks || sink.cursor.batch.is_some() {
+        return;
+    }
+    if let Some(at) = Spi::connect(|client| first_batch(client, &sink.cursor))
+        .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{}\": {e}", sink.id))
+    {
+        sink.cursor = at;
     }
 }
 
@@ -720,7 +899,7 @@ enum Windows {
 /// a pass of many windows behaves as many passes of one that commit together.
 fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi::Error> {
     let policy = settings::policy(sink.max_batch);
-    let start = sink.cursor;
+    let start = sink.cursor.clone();
     let (mut handed, mut delivered, mut went) = (0usize, 0usize, false);
     let mut calls = 0usize;
     loop {
@@ -734,11 +913,11 @@ fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi:
             // cannot be read goes through the failure policy too, so it is bisected to the event
             // that cannot be, which is dead-lettered after the neighbour test.
             let window = match crate::transaction::in_subtransaction(|| {
-                read_window(client, sink.cursor, max, &sink.topic_regex)
+                read_window(client, &sink.cursor, max, &sink.topic_regex)
             }) {
                 Ok(window) => window?,
                 Err(failure) => {
-                    let (count, last) = window_shape(client, sink.cursor, max)?;
+                    let (count, last) = window_shape_at(client, &sink.cursor, max)?;
                     let Some(last) = last else {
                         return Ok(None);
                     };
@@ -746,7 +925,7 @@ fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi:
                         message: format!("reading the batch failed: {}", failure.message),
                         ..failure
                     };
-                    save_progress(client, sink, start, went.then_some(delivered))?;
+                    save_progress(client, sink, &start, went.then_some(delivered))?;
                     return failed_batch(client, sink, count, last, None, failure, handed)
                         .map(|r| Some(Err(r)));
                 }
@@ -758,7 +937,7 @@ fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi:
             if let Some(events) = window.events {
                 calls += 1;
                 if let Err(failure) = deliver(client, sink, events, false, handed) {
-                    save_progress(client, sink, start, went.then_some(delivered))?;
+                    save_progress(client, sink, &start, went.then_some(delivered))?;
                     return failed_batch(
                         client,
                         sink,
@@ -790,7 +969,7 @@ fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi:
             && !crate::worker::stop_requested();
         if !more {
             Spi::connect_mut(|client| {
-                save_progress(client, sink, start, went.then_some(delivered))
+                save_progress(client, sink, &start, went.then_some(delivered))
             })?;
             return Ok(Windows::Went {
                 handed,
@@ -806,11 +985,11 @@ fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi:
 fn save_progress(
     client: &mut SpiClient<'_>,
     sink: &Sink,
-    start: Position,
+    start: &At,
     delivered: Option<usize>,
 ) -> Result<(), pgrx::spi::Error> {
-    if sink.cursor != start {
-        cursor::save(&sink.id, sink.cursor);
+    if sink.cursor != *start {
+        cursor::save_at(&sink.id, &sink.cursor);
     }
     match delivered {
         Some(delivered) => save_state(client, &sink.id, sink.state, None, false, None, delivered),
@@ -824,7 +1003,7 @@ fn failed_batch(
     client: &mut SpiClient<'_>,
     sink: &Sink,
     count: usize,
-    last: Position,
+    last: At,
     events: Option<pg_sys::Datum>,
     failure: Failure,
     before: usize,
@@ -890,6 +1069,7 @@ pub fn after_hang(id: &str, neighbour: bool, before: u32) {
     else {
         return;
     };
+    start_reading_by_ticks(&mut sink);
     if before > 0 {
         let again = Reach {
             events: before as usize,
@@ -909,7 +1089,7 @@ pub fn after_hang(id: &str, neighbour: bool, before: u32) {
         let policy = settings::policy(sink.max_batch);
         let window = read_window(
             client,
-            sink.cursor,
+            &sink.cursor,
             sink.state.batch.min(sink.max_batch),
             &sink.topic_regex,
         )?;
@@ -958,16 +1138,16 @@ fn neighbour_test(
     client: &mut SpiClient<'_>,
     sink: &Sink,
     state: SinkState,
-    lone: Position,
+    lone: At,
     lone_events: Option<pg_sys::Datum>,
     failure: Failure,
     before: usize,
 ) -> Result<PassResult, pgrx::spi::Error> {
     let policy = settings::policy(sink.max_batch);
     // The neighbour is the next event this sink would receive, within one batch of the lone one.
-    let (neighbour, outcome) = match first_match_span(client, lone, sink)? {
-        Some(span) => {
-            let window = read_window(client, lone, span, &sink.topic_regex)?;
+    let (neighbour, outcome) = match first_match_span(client, &lone, sink)? {
+        Some((from, span)) => {
+            let window = read_window(client, &from, span, &sink.topic_regex)?;
             let events = window.events.expect("the span ends at a matching event");
             (
                 window.last,
@@ -998,8 +1178,8 @@ fn neighbour_test(
                 None,
                 &[
                     DatumWithOid::from(sink.id.as_str()),
-                    DatumWithOid::from(lone.txid.to_string()),
-                    DatumWithOid::from(lone.seq),
+                    DatumWithOid::from(lone.pos.txid.to_string()),
+                    DatumWithOid::from(lone.pos.seq),
                     match lone_events {
                         // SAFETY: the lone event's outbox.event[] datum from this connection.
                         Some(events) => unsafe {
@@ -1012,7 +1192,7 @@ fn neighbour_test(
                     DatumWithOid::from(state.attempts as i32),
                 ],
             )?;
-            cursor::save(&sink.id, neighbour);
+            cursor::save_at(&sink.id, &neighbour);
             save_state(client, &sink.id, fresh, None, false, Some(&failure), 1)?;
             pgrx::warning!(
                 "pg_outbox: sink \"{}\" dead-lettered event {lone} after {} attempts (its neighbour {neighbour} went through): {failure}",
@@ -1049,27 +1229,67 @@ fn neighbour_test(
     }
 }
 
-/// How many events after `after` to read so that the window ends at the first event the sink's
-/// topics match (the neighbour), at most `max_batch`.
+/// Where to read from, and how many events, so that the window ends at the first event the sink's
+/// topics match after `after` (the neighbour), at most `max_batch`. For a sink that reads by
+/// ticks the window is within one batch: past the end of `after`'s batch (when what is left of it
+/// is none of the sink's), it starts at the beginning of the next.
 fn first_match_span(
     client: &SpiClient<'_>,
-    after: Position,
+    after: &At,
     sink: &Sink,
-) -> Result<Option<u32>, pgrx::spi::Error> {
-    let table = client.select(
-        "SELECT r.n FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
-              AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
-          WHERE $4::text IS NULL OR r.topic ~ $4 ORDER BY r.n LIMIT 1",
-        Some(1),
-        &[
-            DatumWithOid::from(after.txid.to_string()),
-            DatumWithOid::from(after.seq),
+) -> Result<Option<(At, u32)>, pgrx::spi::Error> {
+    let mut at = after.clone();
+    for _ in 0..BATCHES_PER_WINDOW {
+        let args = [
+            DatumWithOid::from(at.pos.txid.to_string()),
+            DatumWithOid::from(at.pos.seq),
             DatumWithOid::from(sink.max_batch as i32),
             DatumWithOid::from(sink.topic_regex.clone()),
-        ],
-    )?;
-    if table.is_empty() {
-        return Ok(None);
+        ];
+        let Some(batch) = &at.batch else {
+            let table = client.select(
+                "SELECT r.n FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
+                      AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
+                  WHERE $4::text IS NULL OR r.topic ~ $4 ORDER BY r.n LIMIT 1",
+                Some(1),
+                &args,
+            )?;
+            if table.is_empty() {
+                return Ok(None);
+            }
+            return Ok(table.first().get::<i64>(1)?.map(|n| (at, n as u32)));
+        };
+        let [t, q, m, re] = args;
+        let table = client.select(
+            "SELECT (SELECT r.n FROM (SELECT l.topic, pg_catalog.row_number() OVER (ORDER BY l.txid, l.seq) AS n \
+                                        FROM outbox._snapshot_log($5::text::pg_catalog.pg_snapshot, \
+                                               outbox._tick_snapshot($6), $1::pg_catalog.xid8, $2, $3) l) r \
+                      WHERE $4::text IS NULL OR r.topic ~ $4 ORDER BY r.n LIMIT 1), \
+                    (SELECT pg_catalog.count(*) FROM outbox._snapshot_log($5::text::pg_catalog.pg_snapshot, \
+                                               outbox._tick_snapshot($6), $1::pg_catalog.xid8, $2, $3))",
+            Some(1),
+            &[
+                t,
+                q,
+                m,
+                re,
+                DatumWithOid::from(batch.since.as_str()),
+                DatumWithOid::from(batch.tick),
+            ],
+        )?;
+        let row = table.first();
+        if let Some(n) = row.get::<i64>(1)? {
+            return Ok(Some((at, n as u32)));
+        }
+        // As many events after `at` as a batch takes, none of them the sink's: no neighbour
+        // within one batch. Fewer: the rest of this tick's batch is none of the sink's.
+        if row.get::<i64>(2)?.unwrap_or(0) >= sink.max_batch as i64 {
+            return Ok(None);
+        }
+        match next_batch(client, &at)? {
+            Some(next) => at = next,
+            None => return Ok(None),
+        }
     }
-    Ok(table.first().get::<i64>(1)?.map(|n| n as u32))
+    Ok(None)
 }

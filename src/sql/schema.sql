@@ -101,16 +101,29 @@ CREATE TABLE outbox.consumers (
     -- Bumped by each outbox.rewind(): the only way the trigger below lets a cursor move back.
     rewinds    bigint                 NOT NULL DEFAULT 0,
     created_at timestamptz            NOT NULL DEFAULT pg_catalog.now(),
-    moved_at   timestamptz            NOT NULL DEFAULT pg_catalog.now()
+    moved_at   timestamptz            NOT NULL DEFAULT pg_catalog.now(),
+    -- How the reader reads the log: by the read horizon (below), or by ticks (src/sql/ticks.sql),
+    -- which no long transaction holds back. A reader by ticks is in the batch of tick `tick`: the
+    -- events of the transactions that tick's snapshot sees and `since` does not, read through
+    -- (txid, seq). With both NULL, (txid, seq) is a cursor of the read horizon's, which the reader
+    -- turns into a batch when it next reads (src/cursor.rs): how every reader starts, and where a
+    -- rewind puts it.
+    read_by    text                   NOT NULL DEFAULT 'horizon',
+    tick       bigint,
+    since      pg_catalog.pg_snapshot,
+    CONSTRAINT consumers_read_by CHECK (read_by IN ('horizon', 'ticks')),
+    CONSTRAINT consumers_batch CHECK ((tick IS NULL) = (since IS NULL) AND (tick IS NULL OR read_by = 'ticks'))
 );
 
 -- Forward-only cursors, enforced by the database itself: whatever code path updates a cursor, a
 -- stale or concurrent writer cannot move it back. outbox.rewind() is the one way back, and it
--- says so by bumping rewinds in the same UPDATE.
+-- says so by bumping rewinds in the same UPDATE. A reader by ticks moves by (tick, txid, seq),
+-- and a cursor of the read horizon's is before every batch.
 CREATE FUNCTION outbox._cursor_forward_only() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    IF (NEW.txid, NEW.seq) < (OLD.txid, OLD.seq) AND NEW.rewinds <> OLD.rewinds + 1 THEN
+    IF (coalesce(NEW.tick, 0), NEW.txid, NEW.seq) < (coalesce(OLD.tick, 0), OLD.txid, OLD.seq)
+       AND NEW.rewinds <> OLD.rewinds + 1 THEN
         RAISE EXCEPTION 'cursor of consumer "%" cannot move back from %:% to %:%',
             OLD.name, OLD.txid, OLD.seq, NEW.txid, NEW.seq
             USING ERRCODE = 'object_not_in_prerequisite_state',
@@ -120,7 +133,7 @@ BEGIN
 END
 $$;
 
-CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq ON outbox.consumers
+CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq, tick ON outbox.consumers
     FOR EACH ROW EXECUTE FUNCTION outbox._cursor_forward_only();
 
 -- THE READ RULE. Every reader in pg_outbox -- outbox.read(), the worker's sinks and fan-out, the

@@ -26,8 +26,8 @@ CREATE TABLE outbox.ticks (
 );
 
 -- Takes a tick unless its batch would be empty; returns the newest tick (0 before the first). One
--- taker at a time: the table's lock (which readers do not take) orders them, and the snapshot is
--- taken by a statement that starts once the lock is held, so after the previous taker committed:
+-- taker at a time: a lock of their own (outbox._lock_ticks, src/ticks.rs) orders them, and the
+-- snapshot is taken by a statement that starts once it is held, so after the previous taker committed:
 -- it sees every transaction the previous tick saw, and the tick numbers follow the snapshots. In
 -- READ COMMITTED only (each statement its own snapshot). Commit soon: the lock is held until then.
 --
@@ -49,7 +49,7 @@ BEGIN
             USING ERRCODE = 'invalid_transaction_state',
                   DETAIL = 'its snapshot must be taken after the previous tick committed';
     END IF;
-    LOCK TABLE outbox.ticks IN SHARE ROW EXCLUSIVE MODE;
+    PERFORM outbox._lock_ticks();
     SELECT * INTO last FROM outbox.ticks t ORDER BY t.tick DESC LIMIT 1;
     SELECT l.* INTO here
       FROM outbox.lineage l, pg_control_system() s, pg_database d
@@ -77,9 +77,10 @@ BEGIN
 END
 $$;
 
--- The tick before `tick`: the one whose snapshot its batch starts from. 0 (no transaction seen)
--- when there is none: the first tick of the log, or of a new epoch after a restore, and the first
--- tick kept once older ones are pruned (a reader's batch starts from a tick that is kept).
+-- The tick before `tick`: the one whose snapshot its batch starts from (for the first tick of a
+-- new epoch, the last one restored). 0 (no transaction seen) when there is none: the first tick
+-- of the log, and the first tick kept once older ones are pruned (whose batch then holds every
+-- event the log keeps up to it; a reader by ticks keeps the snapshot its batch starts from).
 CREATE FUNCTION outbox._tick_before(tick bigint) RETURNS bigint
 LANGUAGE sql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
     SELECT COALESCE(pg_catalog.max(t.tick), 0) FROM outbox.ticks t
@@ -163,3 +164,29 @@ LANGUAGE sql STABLE AS $$
      WHERE from_tick OPERATOR(pg_catalog.<) to_tick
      ORDER BY l.txid, l.seq
 $$;
+
+-- The batch window of a reader by ticks, as outbox._read_window is the read horizon's: the next
+-- events of the batch from snapshot `since` to tick `tick` after (after_txid, after_seq), at most
+-- max_events, numbered n from 1, cut before their payloads and headers pass max_bytes (never
+-- empty while the batch has an event left). Inlined into the workers' kept statements.
+CREATE FUNCTION outbox._batch_window(since pg_catalog.pg_snapshot, tick bigint,
+                                     after_txid pg_catalog.xid8, after_seq bigint,
+                                     max_events integer, max_bytes bigint)
+RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
+               headers jsonb, raised_at timestamptz, n bigint)
+LANGUAGE sql STABLE AS $$
+    SELECT w.id,
+           (w.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) w.seq::pg_catalog.text,
+           w.topic, w.subject, w.tenant, w.payload, w.headers, w.raised_at, w.n
+      FROM (SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at,
+                   pg_catalog.row_number() OVER upto AS n,
+                   pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
+                                                         2147483647)::pg_catalog.int4) OVER upto AS upto
+              FROM outbox._snapshot_log(since, outbox._tick_snapshot(tick), after_txid, after_seq,
+                                        max_events) r
+            WINDOW upto AS (ORDER BY r.txid, r.seq ROWS UNBOUNDED PRECEDING)) w
+     WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
+       AND max_bytes IS NOT NULL
+     ORDER BY w.txid, w.seq
+$$;
+

@@ -757,3 +757,228 @@ fn a_sql_sink_that_reads_by_ticks_gets_every_event_once_while_a_long_transaction
         .get(0);
     assert!(tick.is_some());
 }
+
+#[test]
+fn a_sink_by_ticks_dead_letters_a_poison_event_at_the_end_of_a_batch_after_testing_the_next_batch()
+{
+    let db = worker_db("ticks_poison");
+    let mut c = db.connect();
+    c.batch_execute(
+        "UPDATE outbox.lineage SET raised = true; \
+         CREATE TABLE got (n bigserial, topic text, i int); \
+         CREATE FUNCTION keep(events outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$ \
+         BEGIN \
+           IF EXISTS (SELECT FROM unnest(events) e WHERE e.payload ? 'poison') THEN \
+             RAISE EXCEPTION 'poison in batch'; \
+           END IF; \
+           INSERT INTO got (topic, i) SELECT e.topic, (e.payload->>'i')::int \
+             FROM unnest(events) WITH ORDINALITY AS e ORDER BY e.ordinality; \
+         END $$; \
+         SELECT outbox.create_sink('picky', 'keep(outbox.event[])', topics => ARRAY['keep.*'], \
+                                   start_at => 'now'); \
+         SELECT outbox.alter_sink('picky', '{\"read_by\": \"ticks\"}'); \
+         SELECT outbox.pause_sink('picky')",
+    )
+    .unwrap();
+    let in_a_tick = |c: &mut Client, txid: &str| {
+        pg_outbox_tests::eventually(
+            &format!("a tick that sees transaction {txid}"),
+            Duration::from_secs(10),
+            || tick_seeing(c, txid),
+        )
+    };
+    // One batch: nine events, the poison, and three the sink's topics do not match. The next
+    // batch (a tick later): five more.
+    let mut t = c.transaction().unwrap();
+    t.batch_execute(
+        "SELECT outbox.raise('keep.a', jsonb_build_object('i', i)) FROM generate_series(1, 9) i; \
+         SELECT outbox.raise('keep.a', '{\"i\": 10, \"poison\": true}'); \
+         SELECT outbox.raise('other.x', jsonb_build_object('i', i)) FROM generate_series(11, 13) i",
+    )
+    .unwrap();
+    let first: String = t
+        .query_one("SELECT outbox._log_txid()::text", &[])
+        .unwrap()
+        .get(0);
+    t.commit().unwrap();
+    let first_tick = in_a_tick(&mut c, &first);
+    let second = raise_one(&mut c, "keep.b");
+    let second_tick = in_a_tick(&mut c, &second);
+    assert!(second_tick > first_tick, "two batches");
+    c.batch_execute("SELECT outbox.resume_sink('picky')")
+        .unwrap();
+    let dead: (String, i32) = pg_outbox_tests::eventually(
+        "the poison dead-lettered",
+        Duration::from_secs(60),
+        || {
+            c.query_opt(
+                "SELECT (event).payload::text, attempts FROM outbox.dead_letters WHERE sink = 'picky'",
+                &[],
+            )
+            .unwrap()
+            .map(|r| (r.get(0), r.get(1)))
+        },
+    );
+    assert_eq!(dead, (r#"{"i": 10, "poison": true}"#.to_string(), 5));
+    let got: Vec<(String, Option<i32>)> =
+        pg_outbox_tests::eventually("the rest delivered", Duration::from_secs(30), || {
+            let got: Vec<(String, Option<i32>)> = c
+                .query("SELECT topic, i FROM got ORDER BY n", &[])
+                .unwrap()
+                .iter()
+                .map(|r| (r.get(0), r.get(1)))
+                .collect();
+            (got.len() >= 10).then_some(got)
+        });
+    let mut want: Vec<(String, Option<i32>)> =
+        (1..=9).map(|i| ("keep.a".to_string(), Some(i))).collect();
+    want.push(("keep.b".to_string(), None));
+    assert_eq!(got, want, "everything but the poison, once, in order");
+    let (tick, status): (Option<i64>, String) = c
+        .query_one(
+            "SELECT c.tick, s.state FROM outbox.consumers c JOIN outbox.status() s ON s.name = c.name \
+              WHERE c.name = 'picky'",
+            &[],
+        )
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(tick, Some(second_tick), "its cursor is in the second batch");
+    assert_ne!(status, "down");
+}
+
+#[test]
+fn read_by_is_refused_where_it_does_not_apply() {
+    let db = test_db("ticks_read_by");
+    let mut c = db.connect();
+    c.batch_execute(
+        "CREATE FUNCTION keep(events outbox.event[]) RETURNS void LANGUAGE sql AS 'SELECT'; \
+         SELECT outbox.create_sink('s', 'keep(outbox.event[])'); \
+         SET pg_outbox.http_allow_plain = on; SET pg_outbox.http_allow_private = on; \
+         SELECT outbox.create_http_sink('h', 'http://127.0.0.1:9/in')",
+    )
+    .unwrap();
+    let read_by = |c: &mut Client, name: &str| -> (String, Option<i64>) {
+        c.query_one(
+            "SELECT read_by, tick FROM outbox.consumers WHERE name = $1",
+            &[&name],
+        )
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap()
+    };
+    assert_eq!(
+        sqlstate(
+            &mut c,
+            "SELECT outbox.alter_sink('h', '{\"read_by\": \"ticks\"}')"
+        ),
+        "0A000",
+        "HTTP sinks do not read by ticks yet"
+    );
+    c.batch_execute("SELECT outbox.alter_sink('h', '{\"read_by\": \"horizon\"}')")
+        .unwrap();
+    for bad in ["\"xmin\"", "\"Ticks\"", "true", "null"] {
+        assert_eq!(
+            sqlstate(
+                &mut c,
+                &format!("SELECT outbox.alter_sink('s', '{{\"read_by\": {bad}}}')")
+            ),
+            "22023",
+            "{bad}"
+        );
+    }
+    assert_eq!(read_by(&mut c, "s"), ("horizon".into(), None));
+    c.batch_execute("SELECT outbox.alter_sink('s', '{\"read_by\": \"ticks\"}')")
+        .unwrap();
+    c.batch_execute("SELECT outbox.alter_sink('s', '{\"read_by\": \"ticks\"}')")
+        .unwrap();
+    assert_eq!(read_by(&mut c, "s"), ("ticks".into(), None));
+    assert_eq!(
+        sqlstate(
+            &mut c,
+            "SELECT outbox.alter_sink('s', '{\"read_by\": \"horizon\"}')"
+        ),
+        "0A000",
+        "a sink that reads by ticks goes on doing so"
+    );
+    // A cursor in a batch goes back to one of the read rule's with a rewind (and the database
+    // keeps the batch and the cursor together).
+    c.batch_execute(
+        "UPDATE outbox.consumers SET tick = 1, since = '5:5:' WHERE name = 's'; \
+         SELECT outbox.rewind('s', '0:0')",
+    )
+    .unwrap();
+    assert_eq!(read_by(&mut c, "s"), ("ticks".into(), None));
+    assert_eq!(
+        sqlstate(
+            &mut c,
+            "UPDATE outbox.consumers SET tick = 1 WHERE name = 's'"
+        ),
+        "23514",
+        "a tick without the snapshot its batch starts from"
+    );
+    assert_eq!(
+        sqlstate(
+            &mut c,
+            "UPDATE outbox.consumers SET tick = 1, since = '5:5:' WHERE name = 'h'"
+        ),
+        "23514",
+        "a batch for a reader that reads by the horizon"
+    );
+}
+
+#[test]
+fn pruning_keeps_what_a_sink_by_ticks_has_not_read() {
+    let db = worker_db("ticks_prune");
+    let mut c = db.connect();
+    c.batch_execute(
+        "UPDATE outbox.lineage SET raised = true; \
+         CREATE TABLE got (n bigserial, topic text); \
+         CREATE FUNCTION keep(events outbox.event[]) RETURNS void LANGUAGE sql AS $$ \
+           INSERT INTO got (topic) SELECT e.topic FROM unnest(events) WITH ORDINALITY AS e \
+            ORDER BY e.ordinality $$; \
+         SELECT outbox.create_sink('p', 'keep(outbox.event[])', start_at => 'now'); \
+         SELECT outbox.alter_sink('p', '{\"read_by\": \"ticks\"}')",
+    )
+    .unwrap();
+    let got = |c: &mut Client, n: usize| -> Vec<String> {
+        pg_outbox_tests::eventually(
+            &format!("{n} events delivered"),
+            Duration::from_secs(20),
+            || {
+                let got: Vec<String> = c
+                    .query("SELECT topic FROM got ORDER BY n", &[])
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect();
+                (got.len() >= n).then_some(got)
+            },
+        )
+    };
+    let log = |c: &mut Client| -> Vec<String> {
+        c.query("SELECT topic FROM outbox.events ORDER BY txid, seq", &[])
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    // A long transaction has raised; a later one commits and is delivered.
+    let mut long = db.connect();
+    long.batch_execute("BEGIN; SELECT outbox.raise('long')")
+        .unwrap();
+    raise_one(&mut c, "a");
+    assert_eq!(got(&mut c, 1), ["a"]);
+    // Pruning now keeps what the sink has read after the long transaction's events: its cursor
+    // is not a prefix of the log.
+    c.batch_execute("SELECT outbox.prune('0')").unwrap();
+    assert_eq!(log(&mut c), ["a"]);
+    long.batch_execute("COMMIT").unwrap();
+    assert_eq!(got(&mut c, 2), ["a", "long"]);
+    raise_one(&mut c, "b");
+    assert_eq!(got(&mut c, 3), ["a", "long", "b"]);
+    // Once the sink is in a batch after the one that held them, they go.
+    c.batch_execute("SELECT outbox.prune('0')").unwrap();
+    assert_eq!(log(&mut c), ["b"]);
+    // And delivery goes on.
+    raise_one(&mut c, "c");
+    assert_eq!(got(&mut c, 4), ["a", "long", "b", "c"]);
+}

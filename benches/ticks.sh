@@ -46,17 +46,24 @@ tps() {
 
 json() { [ -z "${BENCH_JSON:-}" ] || echo "$1" >>"$BENCH_JSON"; }
 
+# Stops with a message when a figure is missing or not above zero (it divides a ratio).
+need() {
+  awk -v x="${1:-}" 'BEGIN { exit !(x + 0 > 0) }' || { echo "ticks.sh: no figure for $2 ('${1:-}')" >&2; exit 1; }
+}
+
 printf '\npg_outbox ticks benchmark: PostgreSQL %s, %s cores, fsync on, %s s per measurement\n\n' \
   "$(psql_bench -Atc 'SHOW server_version')" "$(nproc)" "$SECONDS_PER"
 
 # 1. Raise with and without a ticker.
 psql_bench -c "CHECKPOINT" >/dev/null
 alone=$(tps raise.sql 8 "$SECONDS_PER")
+need "$alone" "raise alone"
 ticks_before=$(psql_bench -Atc "SELECT count(*) FROM outbox.ticks")
-PGOPTIONS='-c synchronous_commit=off' tps tick.sql 1 "$SECONDS_PER" >"$DIR/ticker.tps" &
+PGOPTIONS='-c synchronous_commit=off' tps tick.sql 1 "$SECONDS_PER" >/dev/null &
 ticker=$!
 ticked=$(tps raise.sql 8 "$SECONDS_PER")
 wait "$ticker"
+need "$ticked" "raise with a ticker"
 ticks_taken=$(($(psql_bench -Atc "SELECT count(*) FROM outbox.ticks") - ticks_before))
 ratio=$(awk -v a="$ticked" -v b="$alone" 'BEGIN { printf "%.2f", a / b }')
 printf '%-58s %12s\n' "raise, 8 clients, events/s" "$alone"
@@ -116,7 +123,10 @@ END \$\$;
 SQL
 # Twice each, the second counted (the first warms the cache and the plans).
 psql_bench -Atc "SELECT read_rule_us(), ticks_us()" >/dev/null
-read -r rule_us ticks_us < <(psql_bench -AtF ' ' -c "SELECT round(read_rule_us()::numeric, 3), round(ticks_us()::numeric, 3)")
+figures=$(psql_bench -AtF ' ' -c "SELECT round(read_rule_us()::numeric, 3), round(ticks_us()::numeric, 3)")
+read -r rule_us ticks_us <<<"$figures"
+need "$rule_us" "reading by the read rule"
+need "$ticks_us" "reading by ticks"
 ratio=$(awk -v a="$ticks_us" -v b="$rule_us" 'BEGIN { printf "%.2f", a / b }')
 printf '%-58s %12s\n' "read $EVENTS events, read rule in pages of 1,000, us/event" "$rule_us"
 printf '%-58s %12s\n' "read them by ticks of 100, us/event" "$ticks_us"
@@ -135,13 +145,19 @@ step_ms() {
     awk '/^latency average = / { print $4; exit }'
 }
 without=$(step_ms)
+need "$without" "a step alone"
 psql_bench -c "BEGIN" \
   -c "SELECT outbox.raise_many(ARRAY['long'], (SELECT array_agg(jsonb_build_object('i', i)) FROM generate_series(1, 100000) i))" \
   -c "SELECT pg_sleep($SECONDS_PER + 3)" -c "COMMIT" >/dev/null &
 long=$!
-sleep 2
+# Measured once the long transaction has raised its events and sleeps.
+for _ in $(seq 1 600); do
+  [ "$(psql_bench -Atc "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(%' AND state = 'active'")" -gt 0 ] && break
+  sleep 0.1
+done
 with=$(step_ms)
 wait "$long"
+need "$with" "a step beside the long transaction"
 ratio=$(awk -v a="$with" -v b="$without" 'BEGIN { printf "%.2f", a / b }')
 printf '%-58s %12s\n' "raise 100 + tick + read the batch, ms" "$without"
 printf '%-58s %12s\n' "  the same while 100,000 events wait in an open transaction" "$with"

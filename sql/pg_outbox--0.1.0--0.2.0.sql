@@ -1143,6 +1143,232 @@ BEGIN
 END
 $$;
 
+-- The lock outbox._tick() takes first (src/ticks.rs).
+CREATE FUNCTION outbox."_lock_ticks"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'lock_ticks_wrapper';
+
+-- Ticks: snapshots of which transactions had ended, taken one after another by the workers, so
+-- that readers can read the log batch by batch without waiting for the oldest transaction still
+-- running (issue 15; PgQ's ticks are the prior art). A batch is the events of the transactions
+-- visible in one tick's snapshot and not in the previous tick's: snapshots taken later only ever
+-- see more transactions end, so every committed event falls in exactly one batch, and a long
+-- transaction delays only its own events, which land in the first batch after it ends.
+--
+-- The snapshots are in the log's terms (each transaction id as positions carry it, see
+-- src/lineage.rs), so pg_visible_in_snapshot(e.txid, snapshot) is the test for an event e.
+
+-- The current statement's snapshot in the log's terms, as pg_snapshot text.
+CREATE FUNCTION outbox._log_snapshot() RETURNS text
+VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'pg_outbox_log_snapshot';
+
+CREATE TABLE outbox.ticks (
+    -- In the order taken: each tick's snapshot sees every transaction the one before saw. The log's
+    -- epoch is in the top bits (epoch << 40, then 1, 2, 3...), so that the ticks taken after a
+    -- restored log is adopted (in a new epoch) number after every restored one, whichever of the
+    -- two pg_restore writes first.
+    tick     bigint                 PRIMARY KEY CHECK (tick > 0),
+    snapshot pg_catalog.pg_snapshot NOT NULL,
+    taken_at timestamptz            NOT NULL DEFAULT pg_catalog.now(),
+    -- Where it was taken (as outbox.lineage names a log): restored ticks name another.
+    cluster  bigint                 NOT NULL,
+    database oid                    NOT NULL
+);
+
+-- Takes a tick unless its batch would be empty; returns the newest tick (0 before the first). One
+-- taker at a time: a lock of their own (outbox._lock_ticks, src/ticks.rs) orders them, and the
+-- snapshot is taken by a statement that starts once it is held, so after the previous taker committed:
+-- it sees every transaction the previous tick saw, and the tick numbers follow the snapshots. In
+-- READ COMMITTED only (each statement its own snapshot). Commit soon: the lock is held until then.
+--
+-- Only in a log that is this database's (outbox.lineage, src/lineage.rs), and whose first tick of
+-- this epoch comes after something was raised in it: not in a database where nothing was raised
+-- yet, which may be the target of a restore still loading (a tick taken there would be in terms
+-- the restored log does not share, and could take the number of a restored one). A transaction
+-- that raises first marks the log raised when it commits: the first tick waits for it (once in
+-- the life of a log: later ticks go on from the one before).
+CREATE FUNCTION outbox._tick() RETURNS bigint
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    last outbox.ticks;
+    taken pg_snapshot;
+    here outbox.lineage;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'a tick is taken in a READ COMMITTED transaction'
+            USING ERRCODE = 'invalid_transaction_state',
+                  DETAIL = 'its snapshot must be taken after the previous tick committed';
+    END IF;
+    PERFORM outbox._lock_ticks();
+    SELECT * INTO last FROM outbox.ticks t ORDER BY t.tick DESC LIMIT 1;
+    SELECT l.* INTO here
+      FROM outbox.lineage l, pg_control_system() s, pg_database d
+     WHERE l.system_identifier = s.system_identifier
+       AND d.datname = current_database() AND l.database = d.oid
+       AND (SELECT count(*) FROM outbox.lineage) = 1;
+    IF NOT FOUND OR NOT here.raised
+       AND NOT coalesce(last.tick > here.epoch::bigint << 40 AND last.cluster = here.system_identifier
+                        AND last.database = here.database, false) THEN
+        RETURN coalesce(last.tick, 0);
+    END IF;
+    taken := outbox._log_snapshot()::pg_snapshot;
+    -- A tick whose batch would be empty is not taken (the workers ask at every commit and poll,
+    -- and each tick's own transaction moves the snapshot on): the next one's batch holds what it
+    -- would have. Read with a snapshot newer than `taken`, filtered by `taken`.
+    IF last.tick IS NOT NULL
+       AND NOT EXISTS (SELECT FROM outbox._snapshot_log(last.snapshot, taken, '0', 0, 1)) THEN
+        RETURN last.tick;
+    END IF;
+    INSERT INTO outbox.ticks (tick, snapshot, cluster, database)
+    VALUES (greatest(coalesce(last.tick, 0) + 1, (here.epoch::bigint << 40) + 1), taken,
+            here.system_identifier, here.database)
+    RETURNING tick INTO last.tick;
+    RETURN last.tick;
+END
+$$;
+
+-- The tick before `tick`: the one whose snapshot its batch starts from (for the first tick of a
+-- new epoch, the last one restored). 0 (no transaction seen) when there is none: the first tick
+-- of the log, and the first tick kept once older ones are pruned (whose batch then holds every
+-- event the log keeps up to it; a reader by ticks keeps the snapshot its batch starts from).
+CREATE FUNCTION outbox._tick_before(tick bigint) RETURNS bigint
+LANGUAGE sql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
+    SELECT COALESCE(pg_catalog.max(t.tick), 0) FROM outbox.ticks t
+     WHERE t.tick OPERATOR(pg_catalog.<) _tick_before.tick
+$$;
+
+-- The snapshot of tick `tick`; tick 0 (before the first) sees no transaction. A tick that does not
+-- exist (pruned, or not taken yet) is an error: a batch from it would be empty, not complete.
+CREATE FUNCTION outbox._tick_snapshot(tick bigint) RETURNS pg_catalog.pg_snapshot
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    s pg_snapshot;
+BEGIN
+    IF tick IS NULL THEN
+        RAISE EXCEPTION 'tick must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF tick = 0 THEN
+        RETURN '1:1:'::pg_snapshot;
+    END IF;
+    SELECT t.snapshot INTO s FROM outbox.ticks t WHERE t.tick = _tick_snapshot.tick;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'tick % does not exist', tick USING ERRCODE = 'object_not_in_prerequisite_state',
+            HINT = 'ticks are pruned once every reader has passed them';
+    END IF;
+    RETURN s;
+END
+$$;
+
+-- The events of the transactions snapshot `b` sees and snapshot `a` does not, after
+-- (after_txid, after_seq), at most max_events, in the order of the log's columns (a transaction's
+-- events together, in the order it raised them): a batch between two ticks (_tick_log), and what
+-- _tick asks of the batch it would take. Those transactions are the ones `a` saw running, and
+-- those that began after it (from its xmax): two index scans, however old the oldest transaction
+-- still running. Inlined into its callers: no SET, every name and operator qualified.
+CREATE FUNCTION outbox._snapshot_log(a pg_catalog.pg_snapshot, b pg_catalog.pg_snapshot,
+                                     after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
+RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject text, tenant text,
+               payload jsonb, headers jsonb, raised_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    WITH s AS MATERIALIZED (
+        -- Of those `a` saw running, the ones `b` sees ended: a transaction still running (a long
+        -- one with many events, say) is not scanned for at every tick.
+        SELECT t.a, t.b, ARRAY(SELECT x FROM pg_catalog.pg_snapshot_xip(t.a) x
+                                WHERE pg_catalog.pg_visible_in_snapshot(x, t.b)) AS running
+          FROM (SELECT a, b OFFSET 0) t)
+    SELECT e.txid, e.seq, e.id, e.topic, e.subject, e.tenant, e.payload, e.headers, e.raised_at
+      FROM ((SELECT r.* FROM outbox.events r
+             WHERE r.txid OPERATOR(pg_catalog.=) ANY ((SELECT s.running FROM s)::pg_catalog.xid8[])
+               AND pg_catalog.pg_visible_in_snapshot(r.txid, (SELECT s.b FROM s))
+               -- After the cursor: not as a row comparison, which the index would start from
+               -- instead of the batch's own bounds (a scan through every older event).
+               AND r.txid OPERATOR(pg_catalog.>=) after_txid
+               AND (r.txid OPERATOR(pg_catalog.>) after_txid OR r.seq OPERATOR(pg_catalog.>) after_seq)
+             ORDER BY r.txid, r.seq
+             LIMIT COALESCE(max_events, 0))
+            UNION ALL
+            (SELECT r.* FROM outbox.events r
+             WHERE r.txid OPERATOR(pg_catalog.>=) (SELECT pg_catalog.pg_snapshot_xmax(s.a) FROM s)
+               AND r.txid OPERATOR(pg_catalog.<) (SELECT pg_catalog.pg_snapshot_xmax(s.b) FROM s)
+               AND pg_catalog.pg_visible_in_snapshot(r.txid, (SELECT s.b FROM s))
+               -- After the cursor: not as a row comparison, which the index would start from
+               -- instead of the batch's own bounds (a scan through every older event).
+               AND r.txid OPERATOR(pg_catalog.>=) after_txid
+               AND (r.txid OPERATOR(pg_catalog.>) after_txid OR r.seq OPERATOR(pg_catalog.>) after_seq)
+             ORDER BY r.txid, r.seq
+             LIMIT COALESCE(max_events, 0))) e
+     WHERE after_seq IS NOT NULL
+     ORDER BY e.txid, e.seq
+     LIMIT COALESCE(max_events, 0)
+$$;
+
+-- The batch of tick `to_tick` after tick `from_tick` (_snapshot_log between their snapshots).
+CREATE FUNCTION outbox._tick_log(from_tick bigint, to_tick bigint, after_txid pg_catalog.xid8,
+                                 after_seq bigint, max_events integer)
+RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject text, tenant text,
+               payload jsonb, headers jsonb, raised_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT l.txid, l.seq, l.id, l.topic, l.subject, l.tenant, l.payload, l.headers, l.raised_at
+      FROM outbox._snapshot_log(outbox._tick_snapshot(from_tick), outbox._tick_snapshot(to_tick),
+                                after_txid, after_seq, max_events) l
+     WHERE from_tick OPERATOR(pg_catalog.<) to_tick
+     ORDER BY l.txid, l.seq
+$$;
+
+-- The batch window of a reader by ticks, as outbox._read_window is the read horizon's: the next
+-- events of the batch from snapshot `since` to tick `tick` after (after_txid, after_seq), at most
+-- max_events, numbered n from 1, cut before their payloads and headers pass max_bytes (never
+-- empty while the batch has an event left). Inlined into the workers' kept statements.
+CREATE FUNCTION outbox._batch_window(since pg_catalog.pg_snapshot, tick bigint,
+                                     after_txid pg_catalog.xid8, after_seq bigint,
+                                     max_events integer, max_bytes bigint)
+RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
+               headers jsonb, raised_at timestamptz, n bigint)
+LANGUAGE sql STABLE AS $$
+    SELECT w.id,
+           (w.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) w.seq::pg_catalog.text,
+           w.topic, w.subject, w.tenant, w.payload, w.headers, w.raised_at, w.n
+      FROM (SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at,
+                   pg_catalog.row_number() OVER upto AS n,
+                   pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
+                                                         2147483647)::pg_catalog.int4) OVER upto AS upto
+              FROM outbox._snapshot_log(since, outbox._tick_snapshot(tick), after_txid, after_seq,
+                                        max_events) r
+            WINDOW upto AS (ORDER BY r.txid, r.seq ROWS UNBOUNDED PRECEDING)) w
+     WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
+       AND max_bytes IS NOT NULL
+     ORDER BY w.txid, w.seq
+$$;
+
+-- Readers by ticks: the cursor's batch (see schema.sql). read_by added as sinks.failures is.
+ALTER TABLE outbox.consumers
+    ADD COLUMN read_by text,
+    ADD COLUMN tick bigint,
+    ADD COLUMN since pg_catalog.pg_snapshot;
+UPDATE outbox.consumers SET read_by = 'horizon';
+ALTER TABLE outbox.consumers
+    ALTER COLUMN read_by SET DEFAULT 'horizon',
+    ALTER COLUMN read_by SET NOT NULL,
+    ADD CONSTRAINT consumers_read_by CHECK (read_by IN ('horizon', 'ticks')),
+    ADD CONSTRAINT consumers_batch CHECK ((tick IS NULL) = (since IS NULL) AND (tick IS NULL OR read_by = 'ticks'));
+CREATE OR REPLACE FUNCTION outbox._cursor_forward_only() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF (coalesce(NEW.tick, 0), NEW.txid, NEW.seq) < (coalesce(OLD.tick, 0), OLD.txid, OLD.seq)
+       AND NEW.rewinds <> OLD.rewinds + 1 THEN
+        RAISE EXCEPTION 'cursor of consumer "%" cannot move back from %:% to %:%',
+            OLD.name, OLD.txid, OLD.seq, NEW.txid, NEW.seq
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'outbox.rewind() moves a cursor back on purpose';
+    END IF;
+    RETURN NEW;
+END
+$$;
+DROP TRIGGER consumers_forward_only ON outbox.consumers;
+CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq, tick ON outbox.consumers
+    FOR EACH ROW EXECUTE FUNCTION outbox._cursor_forward_only();
+
 -- outbox.status() (src/status.rs) for the role `who`: one row per consumer (pull consumers, sinks,
 -- subscriptions). Error texts come from tenants' code and may quote their data: `who` sees them
 -- for the consumers of roles it acts for, or as a member of pg_read_all_stats (the rule of
@@ -1194,13 +1420,24 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
       LEFT JOIN outbox.subscriptions sub ON sub.name = c.name
      CROSS JOIN h
      -- Only the events of its topics (a pull consumer has none: all of them): readable, the
-     -- oldest readable or not, and those held behind the horizon.
-     CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE e.txid < h.x) AS n, min(e.raised_at) AS oldest,
-                                count(*) FILTER (WHERE e.txid >= h.x) AS held
-                           FROM outbox.events e
-                          WHERE (e.txid, e.seq) > (c.txid, c.seq)
-                            AND (coalesce(s.topic_regex, sub.topic_regex) IS NULL
-                                 OR e.topic ~ coalesce(s.topic_regex, sub.topic_regex))) b
+     -- oldest readable or not, and those held behind the horizon. A reader by ticks has not
+     -- passed the events its batch's `since` does not see, but for those of its batch up to its
+     -- cursor; none of them is held by the horizon (those committed are read at the next tick).
+     CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE c.tick IS NOT NULL OR e.txid < h.x) AS n,
+                                min(e.raised_at) AS oldest,
+                                count(*) FILTER (WHERE c.tick IS NULL AND e.txid >= h.x) AS held
+                           FROM (SELECT r.txid, r.topic, r.raised_at FROM outbox.events r
+                                  WHERE c.tick IS NULL AND (r.txid, r.seq) > (c.txid, c.seq)
+                                 UNION ALL
+                                 SELECT r.txid, r.topic, r.raised_at FROM outbox.events r
+                                  WHERE c.tick IS NOT NULL AND r.txid >= pg_snapshot_xmin(c.since)
+                                    AND NOT pg_visible_in_snapshot(r.txid, c.since)
+                                    AND NOT ((r.txid, r.seq) <= (c.txid, c.seq)
+                                             AND pg_visible_in_snapshot(r.txid,
+                                                   (SELECT t.snapshot FROM outbox.ticks t
+                                                     WHERE t.tick = c.tick)))) e
+                          WHERE coalesce(s.topic_regex, sub.topic_regex) IS NULL
+                                OR e.topic ~ coalesce(s.topic_regex, sub.topic_regex)) b
      ORDER BY c.name
 $$;
 
@@ -1474,228 +1711,6 @@ CREATE FUNCTION outbox."create_kafka_sink"(
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'create_kafka_sink_wrapper';
-
--- The lock outbox._tick() takes first (src/ticks.rs).
-CREATE FUNCTION outbox."_lock_ticks"() RETURNS void
-VOLATILE PARALLEL UNSAFE
-LANGUAGE c
-AS 'MODULE_PATHNAME', 'lock_ticks_wrapper';
-
--- Ticks: snapshots of which transactions had ended, taken one after another by the workers, so
--- that readers can read the log batch by batch without waiting for the oldest transaction still
--- running (issue 15; PgQ's ticks are the prior art). A batch is the events of the transactions
--- visible in one tick's snapshot and not in the previous tick's: snapshots taken later only ever
--- see more transactions end, so every committed event falls in exactly one batch, and a long
--- transaction delays only its own events, which land in the first batch after it ends.
---
--- The snapshots are in the log's terms (each transaction id as positions carry it, see
--- src/lineage.rs), so pg_visible_in_snapshot(e.txid, snapshot) is the test for an event e.
-
--- The current statement's snapshot in the log's terms, as pg_snapshot text.
-CREATE FUNCTION outbox._log_snapshot() RETURNS text
-VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'pg_outbox_log_snapshot';
-
-CREATE TABLE outbox.ticks (
-    -- In the order taken: each tick's snapshot sees every transaction the one before saw. The log's
-    -- epoch is in the top bits (epoch << 40, then 1, 2, 3...), so that the ticks taken after a
-    -- restored log is adopted (in a new epoch) number after every restored one, whichever of the
-    -- two pg_restore writes first.
-    tick     bigint                 PRIMARY KEY CHECK (tick > 0),
-    snapshot pg_catalog.pg_snapshot NOT NULL,
-    taken_at timestamptz            NOT NULL DEFAULT pg_catalog.now(),
-    -- Where it was taken (as outbox.lineage names a log): restored ticks name another.
-    cluster  bigint                 NOT NULL,
-    database oid                    NOT NULL
-);
-
--- Takes a tick unless its batch would be empty; returns the newest tick (0 before the first). One
--- taker at a time: a lock of their own (outbox._lock_ticks, src/ticks.rs) orders them, and the
--- snapshot is taken by a statement that starts once it is held, so after the previous taker committed:
--- it sees every transaction the previous tick saw, and the tick numbers follow the snapshots. In
--- READ COMMITTED only (each statement its own snapshot). Commit soon: the lock is held until then.
---
--- Only in a log that is this database's (outbox.lineage, src/lineage.rs), and whose first tick of
--- this epoch comes after something was raised in it: not in a database where nothing was raised
--- yet, which may be the target of a restore still loading (a tick taken there would be in terms
--- the restored log does not share, and could take the number of a restored one). A transaction
--- that raises first marks the log raised when it commits: the first tick waits for it (once in
--- the life of a log: later ticks go on from the one before).
-CREATE FUNCTION outbox._tick() RETURNS bigint
-LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    last outbox.ticks;
-    taken pg_snapshot;
-    here outbox.lineage;
-BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'a tick is taken in a READ COMMITTED transaction'
-            USING ERRCODE = 'invalid_transaction_state',
-                  DETAIL = 'its snapshot must be taken after the previous tick committed';
-    END IF;
-    PERFORM outbox._lock_ticks();
-    SELECT * INTO last FROM outbox.ticks t ORDER BY t.tick DESC LIMIT 1;
-    SELECT l.* INTO here
-      FROM outbox.lineage l, pg_control_system() s, pg_database d
-     WHERE l.system_identifier = s.system_identifier
-       AND d.datname = current_database() AND l.database = d.oid
-       AND (SELECT count(*) FROM outbox.lineage) = 1;
-    IF NOT FOUND OR NOT here.raised
-       AND NOT coalesce(last.tick > here.epoch::bigint << 40 AND last.cluster = here.system_identifier
-                        AND last.database = here.database, false) THEN
-        RETURN coalesce(last.tick, 0);
-    END IF;
-    taken := outbox._log_snapshot()::pg_snapshot;
-    -- A tick whose batch would be empty is not taken (the workers ask at every commit and poll,
-    -- and each tick's own transaction moves the snapshot on): the next one's batch holds what it
-    -- would have. Read with a snapshot newer than `taken`, filtered by `taken`.
-    IF last.tick IS NOT NULL
-       AND NOT EXISTS (SELECT FROM outbox._snapshot_log(last.snapshot, taken, '0', 0, 1)) THEN
-        RETURN last.tick;
-    END IF;
-    INSERT INTO outbox.ticks (tick, snapshot, cluster, database)
-    VALUES (greatest(coalesce(last.tick, 0) + 1, (here.epoch::bigint << 40) + 1), taken,
-            here.system_identifier, here.database)
-    RETURNING tick INTO last.tick;
-    RETURN last.tick;
-END
-$$;
-
--- The tick before `tick`: the one whose snapshot its batch starts from (for the first tick of a
--- new epoch, the last one restored). 0 (no transaction seen) when there is none: the first tick
--- of the log, and the first tick kept once older ones are pruned (whose batch then holds every
--- event the log keeps up to it; a reader by ticks keeps the snapshot its batch starts from).
-CREATE FUNCTION outbox._tick_before(tick bigint) RETURNS bigint
-LANGUAGE sql STABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
-    SELECT COALESCE(pg_catalog.max(t.tick), 0) FROM outbox.ticks t
-     WHERE t.tick OPERATOR(pg_catalog.<) _tick_before.tick
-$$;
-
--- The snapshot of tick `tick`; tick 0 (before the first) sees no transaction. A tick that does not
--- exist (pruned, or not taken yet) is an error: a batch from it would be empty, not complete.
-CREATE FUNCTION outbox._tick_snapshot(tick bigint) RETURNS pg_catalog.pg_snapshot
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    s pg_snapshot;
-BEGIN
-    IF tick IS NULL THEN
-        RAISE EXCEPTION 'tick must not be NULL' USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    IF tick = 0 THEN
-        RETURN '1:1:'::pg_snapshot;
-    END IF;
-    SELECT t.snapshot INTO s FROM outbox.ticks t WHERE t.tick = _tick_snapshot.tick;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'tick % does not exist', tick USING ERRCODE = 'object_not_in_prerequisite_state',
-            HINT = 'ticks are pruned once every reader has passed them';
-    END IF;
-    RETURN s;
-END
-$$;
-
--- The events of the transactions snapshot `b` sees and snapshot `a` does not, after
--- (after_txid, after_seq), at most max_events, in the order of the log's columns (a transaction's
--- events together, in the order it raised them): a batch between two ticks (_tick_log), and what
--- _tick asks of the batch it would take. Those transactions are the ones `a` saw running, and
--- those that began after it (from its xmax): two index scans, however old the oldest transaction
--- still running. Inlined into its callers: no SET, every name and operator qualified.
-CREATE FUNCTION outbox._snapshot_log(a pg_catalog.pg_snapshot, b pg_catalog.pg_snapshot,
-                                     after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
-RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject text, tenant text,
-               payload jsonb, headers jsonb, raised_at timestamptz)
-LANGUAGE sql STABLE AS $$
-    WITH s AS MATERIALIZED (
-        -- Of those `a` saw running, the ones `b` sees ended: a transaction still running (a long
-        -- one with many events, say) is not scanned for at every tick.
-        SELECT t.a, t.b, ARRAY(SELECT x FROM pg_catalog.pg_snapshot_xip(t.a) x
-                                WHERE pg_catalog.pg_visible_in_snapshot(x, t.b)) AS running
-          FROM (SELECT a, b OFFSET 0) t)
-    SELECT e.txid, e.seq, e.id, e.topic, e.subject, e.tenant, e.payload, e.headers, e.raised_at
-      FROM ((SELECT r.* FROM outbox.events r
-             WHERE r.txid OPERATOR(pg_catalog.=) ANY ((SELECT s.running FROM s)::pg_catalog.xid8[])
-               AND pg_catalog.pg_visible_in_snapshot(r.txid, (SELECT s.b FROM s))
-               -- After the cursor: not as a row comparison, which the index would start from
-               -- instead of the batch's own bounds (a scan through every older event).
-               AND r.txid OPERATOR(pg_catalog.>=) after_txid
-               AND (r.txid OPERATOR(pg_catalog.>) after_txid OR r.seq OPERATOR(pg_catalog.>) after_seq)
-             ORDER BY r.txid, r.seq
-             LIMIT COALESCE(max_events, 0))
-            UNION ALL
-            (SELECT r.* FROM outbox.events r
-             WHERE r.txid OPERATOR(pg_catalog.>=) (SELECT pg_catalog.pg_snapshot_xmax(s.a) FROM s)
-               AND r.txid OPERATOR(pg_catalog.<) (SELECT pg_catalog.pg_snapshot_xmax(s.b) FROM s)
-               AND pg_catalog.pg_visible_in_snapshot(r.txid, (SELECT s.b FROM s))
-               -- After the cursor: not as a row comparison, which the index would start from
-               -- instead of the batch's own bounds (a scan through every older event).
-               AND r.txid OPERATOR(pg_catalog.>=) after_txid
-               AND (r.txid OPERATOR(pg_catalog.>) after_txid OR r.seq OPERATOR(pg_catalog.>) after_seq)
-             ORDER BY r.txid, r.seq
-             LIMIT COALESCE(max_events, 0))) e
-     WHERE after_seq IS NOT NULL
-     ORDER BY e.txid, e.seq
-     LIMIT COALESCE(max_events, 0)
-$$;
-
--- The batch of tick `to_tick` after tick `from_tick` (_snapshot_log between their snapshots).
-CREATE FUNCTION outbox._tick_log(from_tick bigint, to_tick bigint, after_txid pg_catalog.xid8,
-                                 after_seq bigint, max_events integer)
-RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject text, tenant text,
-               payload jsonb, headers jsonb, raised_at timestamptz)
-LANGUAGE sql STABLE AS $$
-    SELECT l.txid, l.seq, l.id, l.topic, l.subject, l.tenant, l.payload, l.headers, l.raised_at
-      FROM outbox._snapshot_log(outbox._tick_snapshot(from_tick), outbox._tick_snapshot(to_tick),
-                                after_txid, after_seq, max_events) l
-     WHERE from_tick OPERATOR(pg_catalog.<) to_tick
-     ORDER BY l.txid, l.seq
-$$;
-
--- The batch window of a reader by ticks, as outbox._read_window is the read horizon's: the next
--- events of the batch from snapshot `since` to tick `tick` after (after_txid, after_seq), at most
--- max_events, numbered n from 1, cut before their payloads and headers pass max_bytes (never
--- empty while the batch has an event left). Inlined into the workers' kept statements.
-CREATE FUNCTION outbox._batch_window(since pg_catalog.pg_snapshot, tick bigint,
-                                     after_txid pg_catalog.xid8, after_seq bigint,
-                                     max_events integer, max_bytes bigint)
-RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
-               headers jsonb, raised_at timestamptz, n bigint)
-LANGUAGE sql STABLE AS $$
-    SELECT w.id,
-           (w.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) w.seq::pg_catalog.text,
-           w.topic, w.subject, w.tenant, w.payload, w.headers, w.raised_at, w.n
-      FROM (SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at,
-                   pg_catalog.row_number() OVER upto AS n,
-                   pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
-                                                         2147483647)::pg_catalog.int4) OVER upto AS upto
-              FROM outbox._snapshot_log(since, outbox._tick_snapshot(tick), after_txid, after_seq,
-                                        max_events) r
-            WINDOW upto AS (ORDER BY r.txid, r.seq ROWS UNBOUNDED PRECEDING)) w
-     WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
-       AND max_bytes IS NOT NULL
-     ORDER BY w.txid, w.seq
-$$;
-
--- Readers by ticks: the cursor's batch (see schema.sql).
-ALTER TABLE outbox.consumers
-    ADD COLUMN read_by text NOT NULL DEFAULT 'horizon',
-    ADD COLUMN tick bigint,
-    ADD COLUMN since pg_catalog.pg_snapshot,
-    ADD CONSTRAINT consumers_read_by CHECK (read_by IN ('horizon', 'ticks')),
-    ADD CONSTRAINT consumers_batch CHECK ((tick IS NULL) = (since IS NULL) AND (tick IS NULL OR read_by = 'ticks'));
-CREATE OR REPLACE FUNCTION outbox._cursor_forward_only() RETURNS trigger
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    IF (coalesce(NEW.tick, 0), NEW.txid, NEW.seq) < (coalesce(OLD.tick, 0), OLD.txid, OLD.seq)
-       AND NEW.rewinds <> OLD.rewinds + 1 THEN
-        RAISE EXCEPTION 'cursor of consumer "%" cannot move back from %:% to %:%',
-            OLD.name, OLD.txid, OLD.seq, NEW.txid, NEW.seq
-            USING ERRCODE = 'object_not_in_prerequisite_state',
-                  HINT = 'outbox.rewind() moves a cursor back on purpose';
-    END IF;
-    RETURN NEW;
-END
-$$;
-DROP TRIGGER consumers_forward_only ON outbox.consumers;
-CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq, tick ON outbox.consumers
-    FOR EACH ROW EXECUTE FUNCTION outbox._cursor_forward_only();
 
 -- Nothing new is usable by PUBLIC (as src/sql/privileges.sql does at install), named one by one:
 -- a REVOKE on every function would record the grants users made on the others as the

@@ -59,7 +59,7 @@ pgrx::extension_sql_file!(
 pgrx::extension_sql_file!(
     "sql/status.sql",
     name = "status",
-    requires = ["sinks", "subscriptions"]
+    requires = ["sinks", "subscriptions", "ticks"]
 );
 
 // Last: nothing is usable by PUBLIC until a DBA grants it (see the README's "Privileges").

@@ -49,13 +49,24 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
       LEFT JOIN outbox.subscriptions sub ON sub.name = c.name
      CROSS JOIN h
      -- Only the events of its topics (a pull consumer has none: all of them): readable, the
-     -- oldest readable or not, and those held behind the horizon.
-     CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE e.txid < h.x) AS n, min(e.raised_at) AS oldest,
-                                count(*) FILTER (WHERE e.txid >= h.x) AS held
-                           FROM outbox.events e
-                          WHERE (e.txid, e.seq) > (c.txid, c.seq)
-                            AND (coalesce(s.topic_regex, sub.topic_regex) IS NULL
-                                 OR e.topic ~ coalesce(s.topic_regex, sub.topic_regex))) b
+     -- oldest readable or not, and those held behind the horizon. A reader by ticks has not
+     -- passed the events its batch's `since` does not see, but for those of its batch up to its
+     -- cursor; none of them is held by the horizon (those committed are read at the next tick).
+     CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE c.tick IS NOT NULL OR e.txid < h.x) AS n,
+                                min(e.raised_at) AS oldest,
+                                count(*) FILTER (WHERE c.tick IS NULL AND e.txid >= h.x) AS held
+                           FROM (SELECT r.txid, r.topic, r.raised_at FROM outbox.events r
+                                  WHERE c.tick IS NULL AND (r.txid, r.seq) > (c.txid, c.seq)
+                                 UNION ALL
+                                 SELECT r.txid, r.topic, r.raised_at FROM outbox.events r
+                                  WHERE c.tick IS NOT NULL AND r.txid >= pg_snapshot_xmin(c.since)
+                                    AND NOT pg_visible_in_snapshot(r.txid, c.since)
+                                    AND NOT ((r.txid, r.seq) <= (c.txid, c.seq)
+                                             AND pg_visible_in_snapshot(r.txid,
+                                                   (SELECT t.snapshot FROM outbox.ticks t
+                                                     WHERE t.tick = c.tick)))) e
+                          WHERE coalesce(s.topic_regex, sub.topic_regex) IS NULL
+                                OR e.topic ~ coalesce(s.topic_regex, sub.topic_regex)) b
      ORDER BY c.name
 $$;
 

@@ -606,7 +606,9 @@ fn a_sql_sink_that_reads_by_ticks_gets_every_event_once_while_a_long_transaction
            SELECT e.position, (e.payload->>'w')::int, (e.payload->>'n')::int, (e.payload->>'j')::int \
              FROM unnest(events) WITH ORDINALITY AS e ORDER BY e.ordinality $$; \
          SELECT outbox.create_sink('reader', 'keep(outbox.event[])', start_at => 'now'); \
-         SELECT outbox.alter_sink('reader', '{\"read_by\": \"ticks\"}')",
+         SELECT outbox.alter_sink('reader', '{\"read_by\": \"ticks\"}'); \
+         CREATE FUNCTION ignore(events outbox.event[]) RETURNS void LANGUAGE sql AS 'SELECT'; \
+         SELECT outbox.create_sink('old', 'ignore(outbox.event[])', start_at => 'now')",
     )
     .unwrap();
     const LONG: i32 = 99;
@@ -692,6 +694,18 @@ fn a_sql_sink_that_reads_by_ticks_gets_every_event_once_while_a_long_transaction
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    // status() tells the two apart: the sink by ticks has nothing left; the one by the read
+    // horizon waits behind the long transaction.
+    let status = |c: &mut Client, sink: &str| -> (String, i64) {
+        c.query_one(
+            "SELECT state, events_behind FROM outbox.status() WHERE name = $1",
+            &[&sink],
+        )
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap()
+    };
+    assert_eq!(status(&mut c, "reader"), ("idle".to_string(), 0));
+    assert_eq!(status(&mut c, "old").0, "held by horizon");
     long.batch_execute("SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 1}'); COMMIT")
         .unwrap();
     pg_outbox_tests::eventually(

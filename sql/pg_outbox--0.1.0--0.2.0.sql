@@ -1317,10 +1317,10 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- The batch window of a reader by ticks, as outbox._read_window is the read horizon's: the next
--- events of the batch from snapshot `since` to tick `tick` after (after_txid, after_seq), at most
+-- events of the batch from snapshot `since` to snapshot `till` after (after_txid, after_seq), at most
 -- max_events, numbered n from 1, cut before their payloads and headers pass max_bytes (never
 -- empty while the batch has an event left). Inlined into the workers' kept statements.
-CREATE FUNCTION outbox._batch_window(since pg_catalog.pg_snapshot, tick bigint,
+CREATE FUNCTION outbox._batch_window(since pg_catalog.pg_snapshot, till pg_catalog.pg_snapshot,
                                      after_txid pg_catalog.xid8, after_seq bigint,
                                      max_events integer, max_bytes bigint)
 RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
@@ -1333,8 +1333,7 @@ LANGUAGE sql STABLE AS $$
                    pg_catalog.row_number() OVER upto AS n,
                    pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
                                                          2147483647)::pg_catalog.int4) OVER upto AS upto
-              FROM outbox._snapshot_log(since, outbox._tick_snapshot(tick), after_txid, after_seq,
-                                        max_events) r
+              FROM outbox._snapshot_log(since, till, after_txid, after_seq, max_events) r
             WINDOW upto AS (ORDER BY r.txid, r.seq ROWS UNBOUNDED PRECEDING)) w
      WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
        AND max_bytes IS NOT NULL
@@ -1345,13 +1344,15 @@ $$;
 ALTER TABLE outbox.consumers
     ADD COLUMN read_by text,
     ADD COLUMN tick bigint,
-    ADD COLUMN since pg_catalog.pg_snapshot;
+    ADD COLUMN since pg_catalog.pg_snapshot,
+    ADD COLUMN upto pg_catalog.pg_snapshot;
 UPDATE outbox.consumers SET read_by = 'horizon';
 ALTER TABLE outbox.consumers
     ALTER COLUMN read_by SET DEFAULT 'horizon',
     ALTER COLUMN read_by SET NOT NULL,
     ADD CONSTRAINT consumers_read_by CHECK (read_by IN ('horizon', 'ticks')),
-    ADD CONSTRAINT consumers_batch CHECK ((tick IS NULL) = (since IS NULL) AND (tick IS NULL OR read_by = 'ticks'));
+    ADD CONSTRAINT consumers_batch CHECK ((tick IS NULL) = (since IS NULL) AND (tick IS NULL) = (upto IS NULL)
+                                          AND (tick IS NULL OR read_by = 'ticks'));
 CREATE OR REPLACE FUNCTION outbox._cursor_forward_only() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
@@ -1428,14 +1429,19 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                                 count(*) FILTER (WHERE c.tick IS NULL AND e.txid >= h.x) AS held
                            FROM (SELECT r.txid, r.topic, r.raised_at FROM outbox.events r
                                   WHERE c.tick IS NULL AND (r.txid, r.seq) > (c.txid, c.seq)
+                                 -- By ticks: those `since` saw running, and those after its xmax
+                                 -- (two index scans, however old a transaction still running).
                                  UNION ALL
                                  SELECT r.txid, r.topic, r.raised_at FROM outbox.events r
-                                  WHERE c.tick IS NOT NULL AND r.txid >= pg_snapshot_xmin(c.since)
-                                    AND NOT pg_visible_in_snapshot(r.txid, c.since)
+                                  WHERE c.tick IS NOT NULL
+                                    AND r.txid = ANY (ARRAY(SELECT pg_snapshot_xip(c.since)))
                                     AND NOT ((r.txid, r.seq) <= (c.txid, c.seq)
-                                             AND pg_visible_in_snapshot(r.txid,
-                                                   (SELECT t.snapshot FROM outbox.ticks t
-                                                     WHERE t.tick = c.tick)))) e
+                                             AND pg_visible_in_snapshot(r.txid, c.upto))
+                                 UNION ALL
+                                 SELECT r.txid, r.topic, r.raised_at FROM outbox.events r
+                                  WHERE c.tick IS NOT NULL AND r.txid >= pg_snapshot_xmax(c.since)
+                                    AND NOT ((r.txid, r.seq) <= (c.txid, c.seq)
+                                             AND pg_visible_in_snapshot(r.txid, c.upto))) e
                           WHERE coalesce(s.topic_regex, sub.topic_regex) IS NULL
                                 OR e.topic ~ coalesce(s.topic_regex, sub.topic_regex)) b
      ORDER BY c.name

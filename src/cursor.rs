@@ -162,12 +162,13 @@ pub fn save(name: &str, to: Position) -> bool {
 }
 
 /// The batch a reader by ticks is in (issue 15, `sql/ticks.sql`): the events of the transactions
-/// the snapshot of `tick` sees and `since` does not.
+/// the snapshot of `tick` (`upto`) sees and `since` does not. Both snapshots are kept with the
+/// cursor (pg_snapshot text, in the log's terms): the batch does not need its ticks any more.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
     pub tick: i64,
-    /// pg_snapshot text, in the log's terms.
     pub since: String,
+    pub upto: String,
 }
 
 /// Where a reader is: `pos`, read by the read horizon (`batch` None), or within a batch.
@@ -201,7 +202,7 @@ pub fn save_at(name: &str, to: &At) -> bool {
     as_owner(|| {
         crate::plans::applied(
             "UPDATE outbox.consumers SET tick = $4, since = $5::text::pg_catalog.pg_snapshot, \
-                    txid = $2::xid8, seq = $3, moved_at = now() \
+                    upto = $6::text::pg_catalog.pg_snapshot, txid = $2::xid8, seq = $3, moved_at = now() \
               WHERE name = $1 AND (coalesce(tick, 0), txid, seq) < ($4, $2::xid8, $3) RETURNING true",
             &[
                 n,
@@ -209,6 +210,7 @@ pub fn save_at(name: &str, to: &At) -> bool {
                 s,
                 DatumWithOid::from(batch.tick),
                 DatumWithOid::from(batch.since.as_str()),
+                DatumWithOid::from(batch.upto.as_str()),
             ],
         )
     })
@@ -249,7 +251,7 @@ fn rewind(consumer: Option<&str>, position: Option<&str>) -> String {
     let (consumer, found) = owned_consumer(consumer, "rewind");
     as_owner(|| {
         Spi::run_with_args(
-            "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, tick = NULL, since = NULL, \
+            "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, tick = NULL, since = NULL, upto = NULL, \
                     rewinds = rewinds + 1, moved_at = now() WHERE name = $1",
             &cursor_args(&consumer, target),
         )

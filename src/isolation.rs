@@ -73,6 +73,13 @@ pub fn commit_without_waiting_for_flush() {
     );
 }
 
+/// For the rest of the worker's transaction, a lock it waits for longer than `ms` fails its
+/// statement (`55P03`). Like SET LOCAL.
+pub fn lock_timeout_local(ms: u32) {
+    let value = std::ffi::CString::new(ms.to_string()).expect("no NUL");
+    set_config(c"lock_timeout", &value, pg_sys::GucAction::GUC_ACTION_LOCAL);
+}
+
 fn set(name: &CStr, value: &CStr) {
     set_config(name, value, pg_sys::GucAction::GUC_ACTION_SET);
 }

@@ -76,6 +76,8 @@ struct Row {
     database: u32,
     epoch: i32,
     raised: bool,
+    /// The row was last written by the current transaction.
+    marked_here: bool,
 }
 
 fn rows() -> Vec<Row> {
@@ -83,7 +85,7 @@ fn rows() -> Vec<Row> {
     Spi::connect(|client| {
         crate::plans::select(
             client,
-            "SELECT system_identifier, database, epoch, raised FROM outbox.lineage",
+            "SELECT system_identifier, database, epoch, raised, xmin::text::int8 FROM outbox.lineage",
             None,
             &[],
         )?
@@ -93,6 +95,9 @@ fn rows() -> Vec<Row> {
                 database: r.get::<pg_sys::Oid>(2)?.map_or(0, |o| o.to_u32()),
                 epoch: r.get(3)?.unwrap_or_default(),
                 raised: r.get(4)?.unwrap_or_default(),
+                // SAFETY: reads this backend's current transaction id (0 while it has none).
+                marked_here: r.get::<i64>(5)?.unwrap_or_default()
+                    == i64::from(unsafe { pg_sys::GetCurrentTransactionIdIfAny() }.into_inner()),
             })
         })
         .collect::<Result<Vec<_>, pgrx::spi::Error>>()
@@ -123,7 +128,9 @@ pub fn epoch_for_raise() -> u64 {
     let (epoch, marked) = as_owner(|| {
         let rows = rows();
         if let Some(epoch) = steady(&rows) {
-            if rows[0].raised {
+            // Marked by a transaction that has committed: not by this one (a second raise in
+            // the transaction that marked it), which may still roll back.
+            if rows[0].raised && !rows[0].marked_here {
                 return (epoch, true);
             }
             // Marked without waiting: a transaction that raised first and is still open holds

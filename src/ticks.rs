@@ -16,17 +16,18 @@
 
 use crate::owner::as_owner;
 use crate::plans;
-use crate::settings;
-use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 
 /// Takes a tick, in the worker's own transaction (commit it at once: the tick lock is held until
-/// then). Returns the newest tick (0 before the first).
+/// then). Returns the newest tick (0 before the first). Waits for the tick lock at most
+/// [`LOCK_WAIT_MS`]: only another taker holds it, for a moment (or a role someone let execute
+/// `outbox._lock_ticks()`: then this round goes on without a tick, and says so).
 pub fn take() -> i64 {
     if !crate::dispatch::lock_tables() {
         return 0;
     }
     crate::isolation::commit_without_waiting_for_flush();
+    crate::isolation::lock_timeout_local(LOCK_WAIT_MS);
     as_owner(|| {
         Spi::connect_mut(|client| {
             plans::update(client, "SELECT outbox._tick()", Some(1), &[])?
@@ -38,34 +39,39 @@ pub fn take() -> i64 {
     .unwrap_or(0)
 }
 
-/// Deletes the ticks no reader needs: those older than `pg_outbox.retention` and before the tick
-/// of every reader's batch (its snapshot is what the batch reads up to, and the next batch starts
-/// from it), always keeping the newest (the next tick is numbered after it, and needs its
-/// snapshot). Returns how many went. Cursors only move forward, to later ticks, and a reader
-/// starts its first batch at the newest tick (`dispatch::first_batch`): what this reads as the
-/// lowest tick in use stays below every tick a reader may come to.
+/// How long a worker waits for another's tick to commit before it goes on without one.
+const LOCK_WAIT_MS: u32 = 1000;
+
+/// How often the workers delete the ticks no reader needs.
+pub const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Deletes the ticks no reader needs, and returns how many went: every tick up to the lowest
+/// tick a reader by ticks is in (a reader keeps the snapshots of its own batch, and needs only the
+/// ticks after it), but the newest (the next tick is numbered after it, and its batch starts from
+/// it; a reader that starts reading by ticks starts at it). A reader moves to later ticks only, so
+/// a cursor this does not see yet is past what it deletes, or starts at a tick it keeps or one
+/// whose snapshots that reader already holds.
 pub fn prune() -> i64 {
     if !crate::dispatch::lock_tables() {
         return 0;
     }
-    as_owner(|| Spi::connect_mut(|client| {
-        plans::update(
-            client,
-            "WITH gone AS (DELETE FROM outbox.ticks t \
-                           WHERE t.taken_at OPERATOR(pg_catalog.<) \
-                                 (pg_catalog.now() OPERATOR(pg_catalog.-) \
-                                  pg_catalog.make_interval(secs => $1::pg_catalog.float8)) \
-                             AND t.tick OPERATOR(pg_catalog.<) (SELECT pg_catalog.max(n.tick) FROM outbox.ticks n) \
-                             AND NOT EXISTS (SELECT FROM outbox.consumers c \
-                                              WHERE c.tick OPERATOR(pg_catalog.<=) t.tick) \
-                          RETURNING 1) \
-             SELECT pg_catalog.count(*) FROM gone",
-            Some(1),
-            &[DatumWithOid::from(settings::RETENTION_S.get() as f64)],
-        )?
-        .first()
-        .get_one::<i64>()
-    }))
+    as_owner(|| {
+        Spi::connect_mut(|client| {
+            plans::update(
+                client,
+                "WITH gone AS (DELETE FROM outbox.ticks t \
+                               WHERE t.tick OPERATOR(pg_catalog.<) (SELECT pg_catalog.max(n.tick) FROM outbox.ticks n) \
+                                 AND NOT EXISTS (SELECT FROM outbox.consumers c \
+                                                  WHERE c.tick OPERATOR(pg_catalog.<) t.tick) \
+                              RETURNING 1) \
+                 SELECT pg_catalog.count(*) FROM gone",
+                Some(1),
+                &[],
+            )?
+            .first()
+            .get_one::<i64>()
+        })
+    })
     .unwrap_or_else(|e| panic!("pruning ticks: {e}"))
     .unwrap_or(0)
 }

@@ -343,7 +343,7 @@ fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
         "SELECT s.id, pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(p.proname), \
                 c.owner, s.topic_regex, s.batch_size, s.current_batch, s.attempts, \
                 c.txid::text, c.seq, 'outbox.event[]'::pg_catalog.regtype::pg_catalog.oid, \
-                s.synchronous_commit, c.read_by = 'ticks', c.tick, c.since::text \
+                s.synchronous_commit, c.read_by = 'ticks', c.tick, c.since::text, c.upto::text \
            FROM outbox.sinks s \
            JOIN outbox.consumers c ON c.name = s.id \
            JOIN pg_catalog.pg_proc p ON p.oid = s.handler \
@@ -368,8 +368,12 @@ fn lease(client: &SpiClient<'_>, id: &str) -> Result<Leased, pgrx::spi::Error> {
             },
             cursor: At {
                 pos: Position::new(txid.parse().expect("xid8"), r.get(9)?.expect("seq")),
-                batch: match (r.get::<i64>(13)?, r.get::<String>(14)?) {
-                    (Some(tick), Some(since)) => Some(Batch { tick, since }),
+                batch: match (
+                    r.get::<i64>(13)?,
+                    r.get::<String>(14)?,
+                    r.get::<String>(15)?,
+                ) {
+                    (Some(tick), Some(since), Some(upto)) => Some(Batch { tick, since, upto }),
                     _ => None,
                 },
             },
@@ -407,6 +411,9 @@ pub(crate) fn pause_orphan(id: &str, owner: pg_sys::Oid) -> Result<(), pgrx::spi
 /// sink's topics match (NULL when none do), as one outbox.event[] datum.
 struct Window {
     count: usize,
+    /// More may be read at once: the window came full, or the batch it is in ended and a later
+    /// tick is taken.
+    more: bool,
     last: Option<At>,
     matching: usize,
     events: Option<pg_sys::Datum>,
@@ -438,6 +445,7 @@ fn read_window(
     }
     Ok(Window {
         count: 0,
+        more: false,
         last: None,
         matching: 0,
         events: None,
@@ -480,7 +488,7 @@ fn read_window_in(
                 DatumWithOid::from(regex.clone()),
                 DatumWithOid::from(max_bytes),
                 DatumWithOid::from(batch.since.as_str()),
-                DatumWithOid::from(batch.tick),
+                DatumWithOid::from(batch.upto.as_str()),
             ],
         )?,
     };
@@ -492,35 +500,53 @@ fn read_window_in(
     });
     let matching = row.get::<i64>(3)?.unwrap_or(0) as usize;
     let events = row.get_datum_by_ordinal(4)?;
+    let more = count as u32 >= max
+        || match &after.batch {
+            Some(batch) if count > 0 => later_tick(client, batch.tick)?,
+            _ => false,
+        };
     Ok(Window {
         count,
+        more,
         last,
         matching,
         events,
     })
 }
 
+/// Whether a tick after `tick` is taken.
+fn later_tick(client: &SpiClient<'_>, tick: i64) -> Result<bool, pgrx::spi::Error> {
+    Ok(plans::select(
+        client,
+        "SELECT EXISTS (SELECT FROM outbox.ticks t WHERE t.tick OPERATOR(pg_catalog.>) $1)",
+        Some(1),
+        &[DatumWithOid::from(tick)],
+    )?
+    .first()
+    .get::<bool>(1)?
+    .unwrap_or(false))
+}
+
 /// [`WINDOW_SQL`] for a reader by ticks: within its batch ($6, the snapshot it starts from, and
-/// $7, its tick).
+/// $7, its tick's).
 const BATCH_WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
         count(*) FILTER (WHERE $4::text IS NULL OR r.topic ~ $4)::int8, \
         pg_catalog.array_agg(ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, \
                                  r.raised_at)::outbox.event ORDER BY r.n) \
             FILTER (WHERE $4::text IS NULL OR r.topic ~ $4) \
-   FROM outbox._batch_window($6::text::pg_catalog.pg_snapshot, $7, $1::pg_catalog.xid8, $2, $3, $5) r";
+   FROM outbox._batch_window($6::text::pg_catalog.pg_snapshot, $7::text::pg_catalog.pg_snapshot, \
+                             $1::pg_catalog.xid8, $2, $3, $5) r";
 
-/// The start of the batch after `at`'s, once the tick after its tick is taken: that batch starts
-/// from the snapshot of `at`'s tick. None for a read-horizon cursor.
+/// The start of the batch after `at`'s, once a tick after its tick is taken: that batch starts
+/// from the snapshot `at`'s ended at. None for a read-horizon cursor.
 fn next_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::Error> {
     let Some(batch) = &at.batch else {
         return Ok(None);
     };
     let table = plans::select(
         client,
-        "SELECT n.tick, c.snapshot::text FROM outbox.ticks c \
-           CROSS JOIN LATERAL (SELECT t.tick FROM outbox.ticks t \
-                                WHERE t.tick OPERATOR(pg_catalog.>) c.tick ORDER BY t.tick LIMIT 1) n \
-          WHERE c.tick OPERATOR(pg_catalog.=) $1",
+        "SELECT t.tick, t.snapshot::text FROM outbox.ticks t \
+          WHERE t.tick OPERATOR(pg_catalog.>) $1 ORDER BY t.tick LIMIT 1",
         Some(1),
         &[DatumWithOid::from(batch.tick)],
     )?;
@@ -532,7 +558,8 @@ fn next_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::
         pos: Position::ORIGIN,
         batch: Some(Batch {
             tick: row.get::<i64>(1)?.expect("tick is NOT NULL"),
-            since: row.get::<String>(2)?.expect("snapshot is NOT NULL"),
+            since: batch.upto.clone(),
+            upto: row.get::<String>(2)?.expect("snapshot is NOT NULL"),
         }),
     }))
 }
@@ -540,27 +567,35 @@ fn next_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::
 /// Where a reader by ticks whose cursor is still the read horizon's (new, or rewound) starts
 /// reading by ticks: in a batch from the snapshot that sees exactly what it has read (every
 /// transaction before its position's, as the horizon's cursor means; of its position's own, the
-/// events up to it) to the newest tick, once that tick sees all of those ended (none of them is
-/// below its xmin). None until then: it reads by the horizon meanwhile.
+/// events up to it) to the newest tick, once that tick sees all of those ended: every
+/// transaction before the position's, and the position's own unless none of its events was read
+/// (a position's transaction that this tick saw running would be in the next batch, whole).
+/// None until then: it reads by the horizon meanwhile.
 fn first_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::Error> {
     let table = plans::select(
         client,
-        "SELECT t.tick FROM outbox.ticks t \
-          WHERE pg_catalog.pg_snapshot_xmin(t.snapshot) OPERATOR(pg_catalog.>=) $1::pg_catalog.xid8 \
-            AND t.tick OPERATOR(pg_catalog.=) (SELECT pg_catalog.max(m.tick) FROM outbox.ticks m)",
+        "SELECT t.tick, t.snapshot::text FROM outbox.ticks t \
+          WHERE (pg_catalog.pg_snapshot_xmin(t.snapshot) OPERATOR(pg_catalog.>) $1::pg_catalog.xid8 \
+                 OR pg_catalog.pg_snapshot_xmin(t.snapshot) OPERATOR(pg_catalog.=) $1::pg_catalog.xid8 \
+                    AND $2 OPERATOR(pg_catalog.=) 0) \
+          ORDER BY t.tick DESC LIMIT 1",
         Some(1),
-        &[DatumWithOid::from(at.pos.txid.to_string())],
+        &[
+            DatumWithOid::from(at.pos.txid.to_string()),
+            DatumWithOid::from(at.pos.seq),
+        ],
     )?;
     if table.is_empty() {
         return Ok(None);
     }
-    let tick = table.first().get::<i64>(1)?.expect("tick is NOT NULL");
+    let row = table.first();
     let seen = at.pos.txid.max(1);
     Ok(Some(At {
         pos: at.pos,
         batch: Some(Batch {
-            tick,
+            tick: row.get::<i64>(1)?.expect("tick is NOT NULL"),
             since: format!("{seen}:{seen}:"),
+            upto: row.get::<String>(2)?.expect("snapshot is NOT NULL"),
         }),
     }))
 }
@@ -607,7 +642,8 @@ fn window_shape_at(
         let table = plans::select(
             client,
             "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4] \
-               FROM outbox._batch_window($5::text::pg_catalog.pg_snapshot, $6, $1::pg_catalog.xid8, $2, $3, $4) r",
+               FROM outbox._batch_window($5::text::pg_catalog.pg_snapshot, $6::text::pg_catalog.pg_snapshot, \
+                                         $1::pg_catalog.xid8, $2, $3, $4) r",
             Some(1),
             &[
                 DatumWithOid::from(at.pos.txid.to_string()),
@@ -615,7 +651,7 @@ fn window_shape_at(
                 DatumWithOid::from(max as i32),
                 DatumWithOid::from(settings::MAX_BATCH_BYTES.get() as i64),
                 DatumWithOid::from(batch.since.as_str()),
-                DatumWithOid::from(batch.tick),
+                DatumWithOid::from(batch.upto.as_str()),
             ],
         )?;
         let row = table.first();
@@ -955,7 +991,7 @@ fn deliver_windows(sink: &mut Sink, reach: &Reach) -> Result<Windows, pgrx::spi:
             }
             sink.cursor = last;
             handed += window.count;
-            Ok(Some(Ok(window.count as u32 >= max)))
+            Ok(Some(Ok(window.more)))
         })?;
         let full = match step {
             Some(Ok(full)) => full,
@@ -1263,10 +1299,10 @@ fn first_match_span(
         let table = client.select(
             "SELECT (SELECT r.n FROM (SELECT l.topic, pg_catalog.row_number() OVER (ORDER BY l.txid, l.seq) AS n \
                                         FROM outbox._snapshot_log($5::text::pg_catalog.pg_snapshot, \
-                                               outbox._tick_snapshot($6), $1::pg_catalog.xid8, $2, $3) l) r \
+                                               $6::text::pg_catalog.pg_snapshot, $1::pg_catalog.xid8, $2, $3) l) r \
                       WHERE $4::text IS NULL OR r.topic ~ $4 ORDER BY r.n LIMIT 1), \
                     (SELECT pg_catalog.count(*) FROM outbox._snapshot_log($5::text::pg_catalog.pg_snapshot, \
-                                               outbox._tick_snapshot($6), $1::pg_catalog.xid8, $2, $3))",
+                                               $6::text::pg_catalog.pg_snapshot, $1::pg_catalog.xid8, $2, $3))",
             Some(1),
             &[
                 t,
@@ -1274,7 +1310,7 @@ fn first_match_span(
                 m,
                 re,
                 DatumWithOid::from(batch.since.as_str()),
-                DatumWithOid::from(batch.tick),
+                DatumWithOid::from(batch.upto.as_str()),
             ],
         )?;
         let row = table.first();

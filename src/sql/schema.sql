@@ -104,15 +104,17 @@ CREATE TABLE outbox.consumers (
     moved_at   timestamptz            NOT NULL DEFAULT pg_catalog.now(),
     -- How the reader reads the log: by the read horizon (below), or by ticks (src/sql/ticks.sql),
     -- which no long transaction holds back. A reader by ticks is in the batch of tick `tick`: the
-    -- events of the transactions that tick's snapshot sees and `since` does not, read through
-    -- (txid, seq). With both NULL, (txid, seq) is a cursor of the read horizon's, which the reader
-    -- turns into a batch when it next reads (src/cursor.rs): how every reader starts, and where a
-    -- rewind puts it.
+    -- events of the transactions that snapshot `upto` (the tick's) sees and `since` does not, read
+    -- through (txid, seq); it keeps both, so that pruning ticks never takes its batch away. All
+    -- NULL: (txid, seq) is a cursor of the read horizon's, which the reader turns into a batch
+    -- when it next reads (src/dispatch/mod.rs): how every reader starts, and where a rewind puts it.
     read_by    text                   NOT NULL DEFAULT 'horizon',
     tick       bigint,
     since      pg_catalog.pg_snapshot,
+    upto       pg_catalog.pg_snapshot,
     CONSTRAINT consumers_read_by CHECK (read_by IN ('horizon', 'ticks')),
-    CONSTRAINT consumers_batch CHECK ((tick IS NULL) = (since IS NULL) AND (tick IS NULL OR read_by = 'ticks'))
+    CONSTRAINT consumers_batch CHECK ((tick IS NULL) = (since IS NULL) AND (tick IS NULL) = (upto IS NULL)
+                                      AND (tick IS NULL OR read_by = 'ticks'))
 );
 
 -- Forward-only cursors, enforced by the database itself: whatever code path updates a cursor, a

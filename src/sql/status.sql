@@ -57,14 +57,19 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                                 count(*) FILTER (WHERE c.tick IS NULL AND e.txid >= h.x) AS held
                            FROM (SELECT r.txid, r.topic, r.raised_at FROM outbox.events r
                                   WHERE c.tick IS NULL AND (r.txid, r.seq) > (c.txid, c.seq)
+                                 -- By ticks: those `since` saw running, and those after its xmax
+                                 -- (two index scans, however old a transaction still running).
                                  UNION ALL
                                  SELECT r.txid, r.topic, r.raised_at FROM outbox.events r
-                                  WHERE c.tick IS NOT NULL AND r.txid >= pg_snapshot_xmin(c.since)
-                                    AND NOT pg_visible_in_snapshot(r.txid, c.since)
+                                  WHERE c.tick IS NOT NULL
+                                    AND r.txid = ANY (ARRAY(SELECT pg_snapshot_xip(c.since)))
                                     AND NOT ((r.txid, r.seq) <= (c.txid, c.seq)
-                                             AND pg_visible_in_snapshot(r.txid,
-                                                   (SELECT t.snapshot FROM outbox.ticks t
-                                                     WHERE t.tick = c.tick)))) e
+                                             AND pg_visible_in_snapshot(r.txid, c.upto))
+                                 UNION ALL
+                                 SELECT r.txid, r.topic, r.raised_at FROM outbox.events r
+                                  WHERE c.tick IS NOT NULL AND r.txid >= pg_snapshot_xmax(c.since)
+                                    AND NOT ((r.txid, r.seq) <= (c.txid, c.seq)
+                                             AND pg_visible_in_snapshot(r.txid, c.upto))) e
                           WHERE coalesce(s.topic_regex, sub.topic_regex) IS NULL
                                 OR e.topic ~ coalesce(s.topic_regex, sub.topic_regex)) b
      ORDER BY c.name

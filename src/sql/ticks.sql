@@ -166,10 +166,10 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- The batch window of a reader by ticks, as outbox._read_window is the read horizon's: the next
--- events of the batch from snapshot `since` to tick `tick` after (after_txid, after_seq), at most
+-- events of the batch from snapshot `since` to snapshot `till` after (after_txid, after_seq), at most
 -- max_events, numbered n from 1, cut before their payloads and headers pass max_bytes (never
 -- empty while the batch has an event left). Inlined into the workers' kept statements.
-CREATE FUNCTION outbox._batch_window(since pg_catalog.pg_snapshot, tick bigint,
+CREATE FUNCTION outbox._batch_window(since pg_catalog.pg_snapshot, till pg_catalog.pg_snapshot,
                                      after_txid pg_catalog.xid8, after_seq bigint,
                                      max_events integer, max_bytes bigint)
 RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
@@ -182,8 +182,7 @@ LANGUAGE sql STABLE AS $$
                    pg_catalog.row_number() OVER upto AS n,
                    pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
                                                          2147483647)::pg_catalog.int4) OVER upto AS upto
-              FROM outbox._snapshot_log(since, outbox._tick_snapshot(tick), after_txid, after_seq,
-                                        max_events) r
+              FROM outbox._snapshot_log(since, till, after_txid, after_seq, max_events) r
             WINDOW upto AS (ORDER BY r.txid, r.seq ROWS UNBOUNDED PRECEDING)) w
      WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
        AND max_bytes IS NOT NULL

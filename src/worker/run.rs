@@ -67,6 +67,8 @@ struct Worker {
     /// The state last warned about, so an idle worker says why once, not every poll.
     warned: Option<Installed>,
     last_prune: Option<Instant>,
+    /// When this worker last deleted the ticks no reader needs (crate::ticks::prune).
+    last_tick_prune: Option<Instant>,
     /// While committed events wait behind the horizon, re-check sooner than the poll interval.
     waiting_backoff: Duration,
     /// While another worker holds a sink this one wanted, re-check sooner too.
@@ -174,6 +176,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         worked: false,
         warned: None,
         last_prune: None,
+        last_tick_prune: None,
         waiting_backoff: Duration::ZERO,
         contention_backoff: Duration::ZERO,
         agents: Default::default(),
@@ -392,6 +395,17 @@ impl Worker {
         if adopted {
             if let Err(e) = in_transaction(crate::ticks::take) {
                 self.failed(&format!("taking a tick: {e}"));
+            }
+            // The ticks readers have passed go often: a tick a round makes many.
+            if super::first_of_database(self.slot)
+                && self
+                    .last_tick_prune
+                    .is_none_or(|t| t.elapsed() >= crate::ticks::PRUNE_EVERY)
+            {
+                self.last_tick_prune = Some(Instant::now());
+                if let Err(e) = in_transaction(crate::ticks::prune) {
+                    self.failed(&format!("pruning ticks: {e}"));
+                }
             }
         }
 
@@ -892,9 +906,6 @@ impl Worker {
         }
         self.last_prune = Some(Instant::now());
         activity("pruning the log");
-        if let Err(e) = in_transaction(crate::ticks::prune) {
-            self.failed(&format!("pruning ticks: {e}"));
-        }
         for k in crate::prune::aged_partitions() {
             use crate::prune::{Pruned, DELETE_BATCH};
             let why = match in_transaction(|| crate::prune::prune_partition(k)) {

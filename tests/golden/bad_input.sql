@@ -550,6 +550,12 @@ SELECT outbox.alter_sink('s1', '{"synchronous_commit": null}');
 SELECT outbox.alter_sink('s1', '{"synchronous_commit": 0}');
 SELECT outbox.alter_sink('s1', '{"synchronous_commit": false, "batch_size": 10}');
 SELECT outbox.alter_sink('s1', jsonb_build_object(repeat('k', 1000), 1));
+SELECT outbox.alter_sink('s1', '{"read_by": "xmin"}');
+SELECT outbox.alter_sink('s1', '{"read_by": "TICKS"}');
+SELECT outbox.alter_sink('s1', '{"read_by": true}');
+SELECT outbox.alter_sink('s1', '{"read_by": null}');
+SELECT outbox.alter_sink('s1', jsonb_build_object('read_by', repeat('t', 1000)));
+SELECT outbox.alter_sink('h1', '{"read_by": "ticks"}');
 
 -- ======================================================================= replay(sink, position)
 SELECT outbox.replay(NULL, '1:1');

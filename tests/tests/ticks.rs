@@ -405,7 +405,7 @@ fn ticks_refuse_what_would_break_them() {
         "SELECT outbox._tick_before(1)",
         "SELECT outbox._lock_ticks()",
         "SELECT * FROM outbox._snapshot_log('1:1:', '1:1:', '0', 0, 1)",
-        "SELECT * FROM outbox._batch_window('1:1:', 1, '0', 0, 1, 1000)",
+        "SELECT * FROM outbox._batch_window('1:1:', '1:1:', '0', 0, 1, 1000)",
         "SELECT outbox._log_snapshot()",
         "SELECT * FROM outbox.ticks",
     ] {
@@ -916,7 +916,7 @@ fn read_by_is_refused_where_it_does_not_apply() {
     // A cursor in a batch goes back to one of the read rule's with a rewind (and the database
     // keeps the batch and the cursor together).
     c.batch_execute(
-        "UPDATE outbox.consumers SET tick = 1, since = '5:5:' WHERE name = 's'; \
+        "UPDATE outbox.consumers SET tick = 1, since = '5:5:', upto = '6:6:' WHERE name = 's'; \
          SELECT outbox.rewind('s', '0:0')",
     )
     .unwrap();
@@ -932,7 +932,7 @@ fn read_by_is_refused_where_it_does_not_apply() {
     assert_eq!(
         sqlstate(
             &mut c,
-            "UPDATE outbox.consumers SET tick = 1, since = '5:5:' WHERE name = 'h'"
+            "UPDATE outbox.consumers SET tick = 1, since = '5:5:', upto = '6:6:' WHERE name = 'h'"
         ),
         "23514",
         "a batch for a reader that reads by the horizon"
@@ -995,4 +995,104 @@ fn pruning_keeps_what_a_sink_by_ticks_has_not_read() {
     // And delivery goes on.
     raise_one(&mut c, "c");
     assert_eq!(got(&mut c, 4), ["a", "long", "b", "c"]);
+}
+
+/// A sink `name` by ticks whose handler records each event's topic in `got`, in order.
+fn recording_sink_by_ticks(c: &mut Client, name: &str) {
+    c.batch_execute(&format!(
+        "UPDATE outbox.lineage SET raised = true; \
+         CREATE TABLE IF NOT EXISTS got (n bigserial, topic text); \
+         CREATE OR REPLACE FUNCTION keep(events outbox.event[]) RETURNS void LANGUAGE sql AS $$ \
+           INSERT INTO got (topic) SELECT e.topic FROM unnest(events) WITH ORDINALITY AS e \
+            ORDER BY e.ordinality $$; \
+         SELECT outbox.create_sink('{name}', 'keep(outbox.event[])', start_at => 'now'); \
+         SELECT outbox.alter_sink('{name}', '{{\"read_by\": \"ticks\"}}')"
+    ))
+    .unwrap();
+}
+
+fn got(c: &mut Client) -> Vec<String> {
+    c.query("SELECT topic FROM got ORDER BY n", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[test]
+fn a_backlog_of_many_ticks_goes_over_at_once_and_the_ticks_go_after_it() {
+    let db = worker_db("ticks_backlog");
+    let mut c = db.connect();
+    // A pass that stopped at the end of each batch would leave the rest for the next poll: 30 s.
+    let _poll = Setting::new(&db, "pg_outbox.poll_interval", "30s", "1s");
+    recording_sink_by_ticks(&mut c, "b");
+    // The sink turns to ticks, then waits paused while 20 transactions commit, a tick each.
+    raise_one(&mut c, "t.0");
+    pg_outbox_tests::eventually("the first event", Duration::from_secs(10), || {
+        (got(&mut c).len() == 1).then_some(())
+    });
+    c.batch_execute("SELECT outbox.pause_sink('b')").unwrap();
+    let mut want = vec!["t.0".to_string()];
+    for i in 1..=20 {
+        let topic = format!("t.{i}");
+        raise_one(&mut c, &topic);
+        c.batch_execute("SELECT outbox._tick()").unwrap();
+        want.push(topic);
+    }
+    let ticks: i64 = c
+        .query_one("SELECT count(*) FROM outbox.ticks", &[])
+        .unwrap()
+        .get(0);
+    assert!(ticks >= 20, "{ticks} ticks");
+    c.batch_execute("SELECT outbox.resume_sink('b')").unwrap();
+    let all = pg_outbox_tests::eventually(
+        "the backlog of 20 batches delivered",
+        Duration::from_secs(10),
+        || {
+            let got = got(&mut c);
+            (got.len() >= want.len()).then_some(got)
+        },
+    );
+    assert_eq!(all, want, "once each, in the order they became visible");
+    // The ticks the sink has passed go, but the newest.
+    pg_outbox_tests::eventually("the passed ticks pruned", Duration::from_secs(30), || {
+        let left: i64 = c
+            .query_one("SELECT count(*) FROM outbox.ticks", &[])
+            .unwrap()
+            .get(0);
+        (left <= 2).then_some(())
+    });
+}
+
+#[test]
+fn a_sink_by_ticks_goes_on_when_the_ticks_of_its_batches_are_gone() {
+    let db = worker_db("ticks_gone");
+    let mut c = db.connect();
+    recording_sink_by_ticks(&mut c, "g");
+    raise_one(&mut c, "a");
+    pg_outbox_tests::eventually("the first event", Duration::from_secs(10), || {
+        (got(&mut c).len() == 1).then_some(())
+    });
+    c.batch_execute("SELECT outbox.pause_sink('g')").unwrap();
+    for topic in ["b", "c", "d"] {
+        raise_one(&mut c, topic);
+        c.batch_execute("SELECT outbox._tick()").unwrap();
+    }
+    // More than pruning would take: every tick but the newest, the sink's own among them.
+    c.batch_execute(
+        "DELETE FROM outbox.ticks WHERE tick < (SELECT max(tick) FROM outbox.ticks); \
+         SELECT outbox.resume_sink('g')",
+    )
+    .unwrap();
+    let all = pg_outbox_tests::eventually("the rest delivered", Duration::from_secs(10), || {
+        let got = got(&mut c);
+        (got.len() >= 4).then_some(got)
+    });
+    assert_eq!(all, ["a", "b", "c", "d"]);
+    raise_one(&mut c, "e");
+    let all = pg_outbox_tests::eventually("one more", Duration::from_secs(10), || {
+        let got = got(&mut c);
+        (got.len() >= 5).then_some(got)
+    });
+    assert_eq!(all, ["a", "b", "c", "d", "e"]);
 }

@@ -7,7 +7,8 @@
 //! BENCH_EVENTS (default 200000) sets the drain size, BENCH_SECONDS (default 10) each latency run,
 //! BENCH_STALL_SECONDS (default 10) how long the horizon is held, BENCH_SIZE_SECONDS (default 300)
 //! the long run and BENCH_SIZE_RETENTION (default 10) its retention in seconds (the issue's hour at a
-//! minute: 3600 and 60); BENCH_DRAIN_ONLY=1 stops after the drains; BENCH_LATENCY_ONLY=1 measures
+//! minute: 3600 and 60); BENCH_DRAIN_ONLY=1 stops after the drains; BENCH_STALL_ONLY=1 only the stall (by
+//! the read horizon, then reading by ticks); BENCH_LATENCY_ONLY=1 measures
 //! only the latencies.
 
 use pg_outbox_benches::{
@@ -108,18 +109,42 @@ fn delivered_at(c: &mut Client) -> std::collections::HashMap<i64, i64> {
     .collect()
 }
 
+/// Makes `sink` read by ticks (issue 15) instead of by the read horizon.
+fn read_by_ticks(c: &mut Client, sink: &str) {
+    c.execute(
+        "SELECT outbox.alter_sink($1, '{\"read_by\": \"ticks\"}')",
+        &[&sink],
+    )
+    .unwrap();
+}
+
+/// Waits until the ledger holds `n` events. (A sink that reads by ticks ends at the last event of
+/// its last batch, which need not be the log's head: `wait_for_cursor` is the read rule's.)
+fn wait_for_ledger(c: &mut Client, n: usize, within: Duration) {
+    eventually(&format!("{n} events in the ledger"), within, || {
+        let got: i64 = c
+            .query_one("SELECT count(*) FROM ledger", &[])
+            .unwrap()
+            .get(0);
+        (got as usize >= n).then_some(())
+    });
+}
+
 fn latency(
     cluster: &Cluster,
     c: &mut Client,
     clients: usize,
     per_client_rate: Option<f64>,
     seconds: u64,
+    by_ticks: bool,
 ) -> Latency {
     let sink = "latency";
     new_sink(c, sink, 128);
+    if by_ticks {
+        read_by_ticks(c, sink);
+    }
     let (commits, rate) = raise_load(cluster, clients, per_client_rate, seconds);
-    let last = head(c);
-    wait_for_cursor(c, sink, &last, Duration::from_secs(120));
+    wait_for_ledger(c, commits.len(), Duration::from_secs(120));
     let delivered = delivered_at(c);
     assert_eq!(delivered.len(), commits.len(), "every event delivered once");
     let ms = commits
@@ -220,9 +245,17 @@ fn skip_locked_drain(cluster: &Cluster, c: &mut Client, clients: usize, batch: i
 /// committed meanwhile cannot be read until it ends. Returns each event's (seconds since the
 /// start at its commit, commit-to-handler ms), when the holder committed (seconds since the
 /// start), and how long after that the last delayed event was delivered (ms).
-fn stall(cluster: &Cluster, c: &mut Client, hold: u64) -> (Vec<(f64, f64)>, f64, f64) {
+fn stall(
+    cluster: &Cluster,
+    c: &mut Client,
+    hold: u64,
+    by_ticks: bool,
+) -> (Vec<(f64, f64)>, f64, f64) {
     let sink = "stall";
     new_sink(c, sink, 128);
+    if by_ticks {
+        read_by_ticks(c, sink);
+    }
     let start = SystemTime::now();
     let holder = {
         let mut h = cluster.connect("bench", "postgres");
@@ -237,8 +270,7 @@ fn stall(cluster: &Cluster, c: &mut Client, hold: u64) -> (Vec<(f64, f64)>, f64,
     };
     let (commits, _) = raise_load(cluster, 4, Some(125.0), 3 * hold);
     let released = holder.join().unwrap();
-    let last = head(c);
-    wait_for_cursor(c, sink, &last, Duration::from_secs(120));
+    wait_for_ledger(c, commits.len(), Duration::from_secs(120));
     let delivered = delivered_at(c);
     assert_eq!(delivered.len(), commits.len(), "every event delivered once");
     let t0 = micros(start);
@@ -341,7 +373,7 @@ fn latencies(cluster: &Cluster, c: &mut Client, seconds: u64) {
         ("steady 2000 events/s (4 clients x 500/s)", 4, Some(500.0)),
         ("saturation, 4 clients", 4, None),
     ] {
-        let l = latency(cluster, c, clients, rate, seconds);
+        let l = latency(cluster, c, clients, rate, seconds, false);
         println!(
             "{:<46} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
             label, l.rate, l.p50, l.p95, l.p99, l.max
@@ -364,6 +396,85 @@ fn latencies(cluster: &Cluster, c: &mut Client, seconds: u64) {
             );
         }
     }
+    // The same sink reading by ticks, at 500 events/s: no worse than by the read horizon.
+    let l = latency(cluster, c, 4, Some(125.0), seconds, true);
+    println!(
+        "{:<46} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+        "steady 500 events/s, the sink reading by ticks", l.rate, l.p50, l.p95, l.p99, l.max
+    );
+    record_ratio(
+        "latency p99 at 500 events/s, a sink reading by ticks (ms; at most 5)",
+        l.p99,
+        Some(5.0),
+    );
+}
+
+/// The stall, by the read horizon and then reading by ticks: the chart and the figures.
+fn stalls(cluster: &Cluster, c: &mut Client) {
+    let hold: u64 = env_or("BENCH_STALL_SECONDS", 10);
+    let (points, released_at, recovery_ms) = stall(cluster, c, hold, false);
+    println!(
+        "\nstall: 500 events/s for {} s, a transaction holding an xid from {hold} s to {released_at:.1} s",
+        3 * hold
+    );
+    let worst = points.iter().map(|p| p.1).fold(0.0, f64::max);
+    println!(
+        "  worst commit-to-handler latency {worst:.0} ms; the backlog was delivered {recovery_ms:.1} ms \
+         after the transaction ended (poll interval 1000 ms)"
+    );
+    let title =
+        format!("Commit-to-handler latency over time, a {hold} s transaction holding the horizon");
+    // One point per 100 ms of commits (the highest latency in it), so the chart stays light.
+    let mut buckets: std::collections::BTreeMap<i64, f64> = Default::default();
+    for (t, ms) in &points {
+        let b = buckets.entry((t * 10.0) as i64).or_insert(0.0);
+        *b = b.max(*ms);
+    }
+    record_x_unit("stall", "seconds since the start");
+    for (b, ms) in buckets {
+        record(
+            "stall",
+            &title,
+            "ms",
+            "latency (worst per 100 ms)",
+            b as f64 / 10.0,
+            ms,
+        );
+    }
+    record_ratio(
+        "stall: backlog delivered after the long transaction ended (ms; target: at most 1000, the poll interval)",
+        recovery_ms,
+        Some(1000.0),
+    );
+    // The same with the sink reading by ticks: the long transaction holds back only itself.
+    let (points, _, _) = stall(cluster, c, hold, true);
+    let mut ms: Vec<f64> = points.iter().map(|p| p.1).collect();
+    let worst = ms.iter().copied().fold(0.0, f64::max);
+    let l = pg_outbox_benches::latency(0.0, std::mem::take(&mut ms));
+    println!(
+        "  reading by ticks: p50 {:.2} ms, p99 {:.2} ms, worst {worst:.0} ms over the same run",
+        l.p50, l.p99
+    );
+    let mut buckets: std::collections::BTreeMap<i64, f64> = Default::default();
+    for (t, ms) in &points {
+        let b = buckets.entry((t * 10.0) as i64).or_insert(0.0);
+        *b = b.max(*ms);
+    }
+    for (b, ms) in buckets {
+        record(
+            "stall",
+            &title,
+            "ms",
+            "reading by ticks (worst per 100 ms)",
+            b as f64 / 10.0,
+            ms,
+        );
+    }
+    record_ratio(
+        "stall, a sink reading by ticks: p99 commit-to-handler latency while a transaction holds an xid (ms; target: at most 10)",
+        l.p99,
+        Some(10.0),
+    );
 }
 
 fn main() {
@@ -379,6 +490,10 @@ fn main() {
             "\npg_outbox dispatch benchmark: PostgreSQL {version}, fsync on, {workers} workers at least"
         );
         println!("sink: a SQL function inserting every event it is handed into a table\n");
+        if std::env::var_os("BENCH_STALL_ONLY").is_some() {
+            stalls(cluster, c);
+            return;
+        }
         if std::env::var_os("BENCH_LATENCY_ONLY").is_some() {
             latencies(cluster, c, seconds);
             return;
@@ -478,42 +593,7 @@ fn main() {
             return;
         }
         latencies(cluster, c, seconds);
-        let hold: u64 = env_or("BENCH_STALL_SECONDS", 10);
-        let (points, released_at, recovery_ms) = stall(cluster, c, hold);
-        println!(
-            "\nstall: 500 events/s for {} s, a transaction holding an xid from {hold} s to {released_at:.1} s",
-            3 * hold
-        );
-        let worst = points.iter().map(|p| p.1).fold(0.0, f64::max);
-        println!(
-            "  worst commit-to-handler latency {worst:.0} ms; the backlog was delivered {recovery_ms:.1} ms \
-             after the transaction ended (poll interval 1000 ms)"
-        );
-        let title = format!(
-            "Commit-to-handler latency over time, a {hold} s transaction holding the horizon"
-        );
-        // One point per 100 ms of commits (the highest latency in it), so the chart stays light.
-        let mut buckets: std::collections::BTreeMap<i64, f64> = Default::default();
-        for (t, ms) in &points {
-            let b = buckets.entry((t * 10.0) as i64).or_insert(0.0);
-            *b = b.max(*ms);
-        }
-        record_x_unit("stall", "seconds since the start");
-        for (b, ms) in buckets {
-            record(
-                "stall",
-                &title,
-                "ms",
-                "latency (worst per 100 ms)",
-                b as f64 / 10.0,
-                ms,
-            );
-        }
-        record_ratio(
-            "stall: backlog delivered after the long transaction ended (ms; target: at most 1000, the poll interval)",
-            recovery_ms,
-            Some(1000.0),
-        );
+        stalls(cluster, c);
         let seconds_long: u64 = env_or("BENCH_SIZE_SECONDS", 300);
         let retention: u64 = env_or("BENCH_SIZE_RETENTION", 10);
         let (samples, dead) = sizes(cluster, c, seconds_long, retention);

@@ -76,7 +76,7 @@ struct Row {
     database: u32,
     epoch: i32,
     raised: bool,
-    /// The row was last written by the current transaction.
+    /// The row was last written by the current transaction (or one of its subtransactions).
     marked_here: bool,
 }
 
@@ -95,9 +95,16 @@ fn rows() -> Vec<Row> {
                 database: r.get::<pg_sys::Oid>(2)?.map_or(0, |o| o.to_u32()),
                 epoch: r.get(3)?.unwrap_or_default(),
                 raised: r.get(4)?.unwrap_or_default(),
-                // SAFETY: reads this backend's current transaction id (0 while it has none).
-                marked_here: r.get::<i64>(5)?.unwrap_or_default()
-                    == i64::from(unsafe { pg_sys::GetCurrentTransactionIdIfAny() }.into_inner()),
+                marked_here: {
+                    let xmin = r.get::<i64>(5)?.unwrap_or_default() as u32;
+                    // SAFETY: asks whether an xid is this backend's transaction or one of its
+                    // subtransactions (false for a frozen or invalid one).
+                    unsafe {
+                        pg_sys::TransactionIdIsCurrentTransactionId(pg_sys::TransactionId::from(
+                            xmin,
+                        ))
+                    }
+                },
             })
         })
         .collect::<Result<Vec<_>, pgrx::spi::Error>>()
@@ -232,7 +239,8 @@ pub fn epoch_for_read() -> u64 {
     let rows = as_owner(rows);
     match steady(&rows) {
         Some(epoch) => {
-            if rows[0].raised {
+            // Kept only once the mark is another transaction's, committed (see epoch_for_raise).
+            if rows[0].raised && !rows[0].marked_here {
                 settle(epoch);
             }
             epoch

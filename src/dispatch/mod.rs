@@ -433,6 +433,7 @@ fn read_window(
     regex: &Option<String>,
 ) -> Result<Window, pgrx::spi::Error> {
     let mut at = after.clone();
+    let mut more = true;
     for _ in 0..BATCHES_PER_WINDOW {
         let window = read_window_in(client, &at, max, regex)?;
         if window.count > 0 {
@@ -440,13 +441,19 @@ fn read_window(
         }
         match next_batch(client, &at)? {
             Some(next) => at = next,
-            None => break,
+            None => {
+                more = false;
+                break;
+            }
         }
     }
+    // Nothing to read, but batches passed that held nothing for this reader: the cursor moves
+    // past them (an empty window that ends after them), and on if there may be more.
+    let moved = at != *after;
     Ok(Window {
         count: 0,
-        more: false,
-        last: None,
+        more: moved && more,
+        last: moved.then_some(at),
         matching: 0,
         events: None,
     })

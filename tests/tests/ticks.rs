@@ -62,6 +62,59 @@ fn next(state: &mut u64) -> u64 {
     *state
 }
 
+/// (writer, transaction) -> (began, commit returned, events) for the committed ones.
+type Committed = Arc<Mutex<HashMap<(i32, i32), (Instant, Instant, i32)>>>;
+/// The (writer, transaction) pairs rolled back.
+type RolledBack = Arc<Mutex<HashSet<(i32, i32)>>>;
+
+/// Writers, each in a connection of its own until `stop`: transactions of 1 to 4 events raised
+/// with pauses of up to `pause_us` between them (commits land out of raise order), one in
+/// `rollback_one_in` rolled back; each event's payload names its writer `w`, transaction `n` and
+/// place in it `j`. `seed` makes the run the same each time. What committed, and what rolled back.
+fn spawn_writers(
+    db: &pg_outbox_tests::TestDb,
+    writers: i32,
+    seed: u64,
+    pause_us: u64,
+    rollback_one_in: u64,
+    stop: &Arc<AtomicBool>,
+) -> (Vec<std::thread::JoinHandle<()>>, Committed, RolledBack) {
+    let committed: Committed = Arc::new(Mutex::new(HashMap::new()));
+    let rolled_back: RolledBack = Arc::new(Mutex::new(HashSet::new()));
+    let handles = (0..writers)
+        .map(|w| {
+            let mut c = db.connect();
+            let (stop, committed, rolled_back) = (stop.clone(), committed.clone(), rolled_back.clone());
+            std::thread::spawn(move || {
+                let mut rng = seed ^ ((w as u64 + 1) * 0x1000_0001);
+                let mut n = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    let began = Instant::now();
+                    let mut tx = c.transaction().unwrap();
+                    let events = 1 + (next(&mut rng) % 4) as i32;
+                    for j in 0..events {
+                        tx.execute(
+                            "SELECT outbox.raise('short', jsonb_build_object('w', $1::int, 'n', $2::int, 'j', $3::int))",
+                            &[&w, &n, &j],
+                        )
+                        .unwrap();
+                        std::thread::sleep(Duration::from_micros(next(&mut rng) % pause_us));
+                    }
+                    if next(&mut rng).is_multiple_of(rollback_one_in) {
+                        tx.rollback().unwrap();
+                        rolled_back.lock().unwrap().insert((w, n));
+                    } else {
+                        tx.commit().unwrap();
+                        committed.lock().unwrap().insert((w, n), (began, Instant::now(), events));
+                    }
+                    n += 1;
+                }
+            })
+        })
+        .collect();
+    (handles, committed, rolled_back)
+}
+
 #[test]
 fn every_committed_event_is_in_exactly_one_batch_and_a_long_transaction_holds_back_only_its_own() {
     let db = test_db("ticks");
@@ -84,43 +137,8 @@ fn every_committed_event_is_in_exactly_one_batch_and_a_long_transaction_holds_ba
     .unwrap();
 
     let stop = Arc::new(AtomicBool::new(false));
-    // (writer, transaction) -> (began, commit returned, events) for the committed ones.
-    let committed = Arc::new(Mutex::new(
-        HashMap::<(i32, i32), (Instant, Instant, i32)>::new(),
-    ));
-    let rolled_back = Arc::new(Mutex::new(HashSet::<(i32, i32)>::new()));
-    let writers: Vec<_> = (0..WRITERS)
-        .map(|w| {
-            let mut c = db.connect();
-            let (stop, committed, rolled_back) = (stop.clone(), committed.clone(), rolled_back.clone());
-            std::thread::spawn(move || {
-                let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ ((w as u64 + 1) * 0x1000_0001);
-                let mut n = 0;
-                while !stop.load(Ordering::SeqCst) {
-                    let began = Instant::now();
-                    let mut tx = c.transaction().unwrap();
-                    let events = 1 + (next(&mut rng) % 4) as i32;
-                    for j in 0..events {
-                        tx.execute(
-                            "SELECT outbox.raise('short', jsonb_build_object('w', $1::int, 'n', $2::int, 'j', $3::int))",
-                            &[&w, &n, &j],
-                        )
-                        .unwrap();
-                        // Transactions of different lengths: commits land out of raise order.
-                        std::thread::sleep(Duration::from_micros(next(&mut rng) % 3000));
-                    }
-                    if next(&mut rng).is_multiple_of(7) {
-                        tx.rollback().unwrap();
-                        rolled_back.lock().unwrap().insert((w, n));
-                    } else {
-                        tx.commit().unwrap();
-                        committed.lock().unwrap().insert((w, n), (began, Instant::now(), events));
-                    }
-                    n += 1;
-                }
-            })
-        })
-        .collect();
+    let (writers, committed, rolled_back) =
+        spawn_writers(&db, WRITERS, 0x9E37_79B9_7F4A_7C15, 3000, 7, &stop);
 
     // Three tickers at once, as workers will: (tick returned, when the call began).
     let ticks = Arc::new(Mutex::new(Vec::<(i64, Instant)>::new()));
@@ -622,43 +640,7 @@ fn a_sql_sink_that_reads_by_ticks_gets_every_event_once_while_a_long_transaction
         .unwrap();
 
     let stop = Arc::new(AtomicBool::new(false));
-    // (writer, transaction) -> (began, commit returned, events), for the committed ones.
-    let committed = Arc::new(Mutex::new(
-        HashMap::<(i32, i32), (Instant, Instant, i32)>::new(),
-    ));
-    let writers: Vec<_> = (0..8)
-        .map(|w| {
-            let mut c = db.connect();
-            let (stop, committed) = (stop.clone(), committed.clone());
-            std::thread::spawn(move || {
-                let mut rng = 0x2545_F491_4F6C_DD1Du64 ^ ((w as u64 + 1) * 0x1000_0001);
-                let mut n = 0;
-                while !stop.load(Ordering::SeqCst) {
-                    let began = Instant::now();
-                    let mut tx = c.transaction().unwrap();
-                    let events = 1 + (next(&mut rng) % 4) as i32;
-                    for j in 0..events {
-                        tx.execute(
-                            "SELECT outbox.raise('short', jsonb_build_object('w', $1::int, 'n', $2::int, 'j', $3::int))",
-                            &[&w, &n, &j],
-                        )
-                        .unwrap();
-                        std::thread::sleep(Duration::from_micros(next(&mut rng) % 4000));
-                    }
-                    if next(&mut rng).is_multiple_of(5) {
-                        tx.rollback().unwrap();
-                    } else {
-                        tx.commit().unwrap();
-                        committed
-                            .lock()
-                            .unwrap()
-                            .insert((w, n), (began, Instant::now(), events));
-                    }
-                    n += 1;
-                }
-            })
-        })
-        .collect();
+    let (writers, committed, _) = spawn_writers(&db, 8, 0x2545_F491_4F6C_DD1D, 4000, 5, &stop);
     std::thread::sleep(Duration::from_secs(3));
     stop.store(true, Ordering::SeqCst);
     for w in writers {
@@ -1095,4 +1077,39 @@ fn a_sink_by_ticks_goes_on_when_the_ticks_of_its_batches_are_gone() {
         (got.len() >= 5).then_some(got)
     });
     assert_eq!(all, ["a", "b", "c", "d", "e"]);
+}
+
+#[test]
+fn a_first_raise_rolled_back_leaves_the_log_to_be_marked_by_the_next() {
+    let db = test_db("ticks_first_raise");
+    let mut c = db.connect();
+    let raised = |c: &mut Client| -> bool {
+        c.query_one("SELECT raised FROM outbox.lineage", &[])
+            .unwrap()
+            .get(0)
+    };
+    // The first raises of this backend mark the log in a transaction that rolls back: once in a
+    // savepoint, then after it, then reading the horizon (what status() and sinks do).
+    c.batch_execute(
+        "BEGIN; SAVEPOINT s; SELECT outbox.raise('a'); RELEASE s; SELECT outbox.raise('b'); \
+         SELECT count(*) FROM outbox.status(); SAVEPOINT t; SELECT outbox.raise('c'); ROLLBACK",
+    )
+    .unwrap();
+    assert!(!raised(&mut c));
+    assert_eq!(
+        c.query_one("SELECT outbox._tick()", &[])
+            .unwrap()
+            .get::<_, i64>(0),
+        0,
+        "no tick in a log never raised in"
+    );
+    // The same backend's next raise marks it, and ticks start.
+    c.batch_execute("SELECT outbox.raise('d')").unwrap();
+    assert!(raised(&mut c));
+    assert_eq!(
+        c.query_one("SELECT outbox._tick()", &[])
+            .unwrap()
+            .get::<_, i64>(0),
+        1
+    );
 }

@@ -895,7 +895,7 @@ pub fn pass(id: &str) -> PassResult {
 }
 
 /// A sink that reads by ticks and whose cursor is still the read horizon's starts its first batch
-/// when a tick allows ([`first_batch`]); it is saved with the cursor's next move.
+/// when a tick allows ([`first_batch`]), saved at once (with the pass).
 fn start_reading_by_ticks(sink: &mut Sink) {
     if !sink.by_ticks || sink.cursor.batch.is_some() {
         return;
@@ -903,6 +903,7 @@ fn start_reading_by_ticks(sink: &mut Sink) {
     if let Some(at) = Spi::connect(|client| first_batch(client, &sink.cursor))
         .unwrap_or_else(|e: pgrx::spi::Error| panic!("sink \"{}\": {e}", sink.id))
     {
+        cursor::save_at(&sink.id, &at);
         sink.cursor = at;
     }
 }

@@ -74,6 +74,10 @@ const SETUP: &str = "
     SELECT outbox.create_sink('books', 'rec(outbox.event[])', topics => '{order.*}');
     SELECT outbox.create_sink('late', 'late(outbox.event[])', topics => '{order.*}');
     SELECT outbox.create_sink('picky', 'picky(outbox.event[])', topics => '{order.*}');
+    CREATE FUNCTION ticked(events outbox.event[]) RETURNS void LANGUAGE sql AS $$
+      INSERT INTO public.ledger (sink, id, pos) SELECT 'ticked', e.id, e.position FROM unnest(events) e $$;
+    SELECT outbox.create_sink('ticked', 'ticked(outbox.event[])', topics => '{order.*}');
+    SELECT outbox.alter_sink('ticked', '{\"read_by\": \"ticks\"}');
     SELECT outbox.pause_sink('late');
     SELECT outbox.create_http_sink('hook', 'http://127.0.0.1:9/hooks', topics => '{report.*}',
              headers => jsonb_build_object('Authorization', 'Bearer s3cr3t'),
@@ -183,6 +187,16 @@ fn mid_flight_dump_and_restore(old: &Cluster, new: &Cluster, dump: &Path) {
             .then_some(())
     });
     wait_ledger(&mut c, "picky", 14);
+    // The sink by ticks has read them too, and its cursor is a batch (two snapshots of the old
+    // cluster's) when the dump is taken.
+    wait_ledger(&mut c, "ticked", 15);
+    eventually("ticked in a batch", Duration::from_secs(30), || {
+        (count(
+            &mut c,
+            "SELECT count(*) FROM outbox.consumers WHERE name = 'ticked' AND tick IS NOT NULL",
+        ) == 1)
+            .then_some(())
+    });
     // The pull consumer reads half way.
     let half: String = c
         .query_one("SELECT position FROM outbox.read('audit', 6) OFFSET 5", &[])
@@ -268,6 +282,16 @@ fn mid_flight_dump_and_restore(old: &Cluster, new: &Cluster, dump: &Path) {
 
     // books: everything once, in log order.
     assert_eq!(wait_ledger(&mut c, "books", 50), all);
+    // ticked: everything once; the events were raised one transaction after another, so the
+    // order the ticks saw them in is the log's. The ticks taken here number after the restored
+    // ones (a new epoch).
+    assert_eq!(wait_ledger(&mut c, "ticked", 50), all);
+    assert!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.ticks WHERE tick > 1::int8 << 40 AND cluster <> 42"
+        ) >= 1
+    );
     // late: still paused; resumed, it gets everything once, in order.
     assert_eq!(
         count(

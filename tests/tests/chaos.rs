@@ -6,7 +6,8 @@
 //! event is poison for one sink. The log is pruned every second with no retention. At the end a
 //! verifier checks, from the ledgers the sinks and handlers wrote:
 //!
-//! - every committed event reached each SQL sink exactly once, in log order;
+//! - every committed event reached each SQL sink exactly once, in log order (the sink that reads
+//!   by ticks: each transaction's events together and in the order raised);
 //! - the HTTP receiver got every committed event at least once;
 //! - every matching job ran exactly once in the database (SQL handler and external worker);
 //! - no rolled-back event went anywhere;
@@ -84,6 +85,16 @@ const SETUP: &str = "
         SELECT 'a', (e.payload->>'k')::int8, split_part(e.position, ':', 1)::xid8, split_part(e.position, ':', 2)::int8
           FROM unnest(events) e;
     END $$;
+    -- Sink t: as sink a, reading by ticks.
+    CREATE FUNCTION sink_t(events outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$
+    BEGIN
+      IF EXISTS (SELECT 1 FROM unnest(events) e WHERE e.payload ? 'poison') THEN
+        RAISE EXCEPTION 'poison';
+      END IF;
+      INSERT INTO ledger (sink, k, txid, seq)
+        SELECT 't', (e.payload->>'k')::int8, split_part(e.position, ':', 1)::xid8, split_part(e.position, ':', 2)::int8
+          FROM unnest(events) e;
+    END $$;
     -- Sink b: down for a while whenever the driver says so.
     CREATE FUNCTION sink_b(events outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$
     BEGIN
@@ -100,6 +111,8 @@ const SETUP: &str = "
     CREATE TABLE ext_done (k int8 NOT NULL);
     SELECT outbox.create_sink('a', 'sink_a(outbox.event[])', batch_size => 64);
     SELECT outbox.create_sink('b', 'sink_b(outbox.event[])', batch_size => 64);
+    SELECT outbox.create_sink('t', 'sink_t(outbox.event[])', batch_size => 64);
+    SELECT outbox.alter_sink('t', '{\"read_by\": \"ticks\"}');
     SELECT outbox.subscribe('apply', '{chaos.*}', handler => 'apply(outbox.event)', filter => 'payload.k % 3 == 0');
     SELECT outbox.subscribe('ext', '{chaos.*}', queue => 'ext', filter => 'payload.k % 5 == 0');";
 
@@ -415,9 +428,13 @@ fn nothing_is_lost_or_duplicated_when_everything_breaks() {
         let done: bool = c
             .query_one(
                 "SELECT (SELECT count(*) FROM outbox.consumers c
-                          WHERE (c.txid, c.seq) < (SELECT e.txid, e.seq FROM outbox.events e
+                          WHERE c.tick IS NULL
+                            AND (c.txid, c.seq) < (SELECT e.txid, e.seq FROM outbox.events e
                                                     ORDER BY e.txid DESC, e.seq DESC LIMIT 1)) = 0
-                    AND (SELECT count(*) FROM outbox.dead_letters) = 1
+                    AND (SELECT count(*) FROM outbox.status() s
+                          WHERE s.name = 't' AND s.events_behind > 0) = 0
+                    AND (SELECT tick FROM outbox.consumers WHERE name = 't') IS NOT NULL
+                    AND (SELECT count(*) FROM outbox.dead_letters) = 2
                     AND (SELECT count(*) FROM outbox.jobs) = 0",
                 &[],
             )
@@ -460,8 +477,9 @@ fn nothing_is_lost_or_duplicated_when_everything_breaks() {
         )
         .collect();
 
-    // SQL sinks: exactly once, in log order, nothing rolled back.
-    for sink in ["a", "b"] {
+    // SQL sinks: exactly once, in log order (t: in the order its batches came, each transaction's
+    // events together and in the order raised), nothing rolled back.
+    for sink in ["a", "b", "t"] {
         let rows: Vec<(i64, String, i64)> = c
             .query(
                 "SELECT k, txid::text, seq FROM ledger WHERE sink = $1 ORDER BY n",
@@ -472,18 +490,29 @@ fn nothing_is_lost_or_duplicated_when_everything_breaks() {
             .map(|r| (r.get(0), r.get(1), r.get(2)))
             .collect();
         let mut last: Option<(u64, i64)> = None;
+        let mut done_with = HashSet::new();
         for (k, txid, seq) in &rows {
             let p = (txid.parse::<u64>().unwrap(), *seq);
-            assert!(
-                last < Some(p),
-                "sink {sink}: event {k} out of order or twice"
-            );
+            if sink == "t" {
+                if let Some(last) = last.filter(|l| l.0 != p.0) {
+                    done_with.insert(last.0);
+                }
+                assert!(
+                    !done_with.contains(&p.0) && last.is_none_or(|l| l.0 != p.0 || l.1 < p.1),
+                    "sink t: event {k} apart from its transaction, out of order or twice"
+                );
+            } else {
+                assert!(
+                    last < Some(p),
+                    "sink {sink}: event {k} out of order or twice"
+                );
+            }
             last = Some(p);
         }
         let got: BTreeSet<i64> = rows.iter().map(|r| r.0).collect();
         assert_eq!(got.len(), rows.len(), "sink {sink}: duplicates");
         let mut want: BTreeSet<i64> = happened.iter().copied().collect();
-        if sink == "a" {
+        if sink != "b" {
             want.remove(&POISON);
         }
         let missing: Vec<i64> = want.difference(&got).copied().collect();
@@ -542,17 +571,17 @@ fn nothing_is_lost_or_duplicated_when_everything_breaks() {
         );
     }
 
-    // The poison, and only it, is dead: for sink a.
+    // The poison, and only it, is dead: for sinks a and t.
     let dead: Vec<(String, i64)> = c
         .query(
-            "SELECT sink, ((event).payload->>'k')::int8 FROM outbox.dead_letters",
+            "SELECT sink, ((event).payload->>'k')::int8 FROM outbox.dead_letters ORDER BY sink",
             &[],
         )
         .unwrap()
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    assert_eq!(dead, [("a".to_string(), POISON)]);
+    assert_eq!(dead, [("a".to_string(), POISON), ("t".to_string(), POISON)]);
 
     // Pruned, behind every cursor (the ledgers above are complete).
     let left: i64 = c

@@ -2,7 +2,8 @@
 //! what a batch is, in `sql/ticks.sql`). The workers take them, never an application's
 //! transaction, and no daemon outside the server is needed (PgQ needs pgqd).
 //!
-//! A worker takes one at the start of every round it runs (woken by a commit, or on its poll),
+//! While a reader reads by ticks (`outbox.alter_sink(id, '{"read_by": "ticks"}')`), a worker
+//! takes one at the start of every round it runs (woken by a commit, or on its poll),
 //! in a short transaction of its own, so a tick holds every commit since the previous round: under
 //! load ticks are large and few, and at a low rate each commit gets its own. A tick whose batch
 //! would be empty is not taken. The taker waits for the tick lock rather than skip: a tick skipped
@@ -37,6 +38,25 @@ pub fn take() -> i64 {
     })
     .unwrap_or_else(|e| panic!("taking a tick: {e}"))
     .unwrap_or(0)
+}
+
+/// Whether a reader reads by ticks (or is set to): the workers take ticks only then. Asked in the
+/// round's first transaction.
+pub fn wanted() -> bool {
+    as_owner(|| {
+        Spi::connect(|client| {
+            plans::select(
+                client,
+                "SELECT EXISTS (SELECT FROM outbox.consumers c WHERE c.read_by OPERATOR(pg_catalog.=) 'ticks')",
+                Some(1),
+                &[],
+            )?
+            .first()
+            .get_one::<bool>()
+        })
+    })
+    .unwrap_or_else(|e| panic!("asking for ticks: {e}"))
+    .unwrap_or(false)
 }
 
 /// How long a worker waits for another's tick to commit before it goes on without one.

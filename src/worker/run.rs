@@ -301,34 +301,41 @@ impl Worker {
             let state = installed();
             let ready = state == Installed::Ready;
             let sinks = ready.then(|| dispatch::due_sinks(self.slot));
-            let (subscriptions, schedule_due_in, restored, waiting) =
+            let (subscriptions, schedule_due_in, restored, waiting, ticking) =
                 if ready && dispatch::lock_tables() {
                     (
                         dispatch::fanout::active(self.slot),
                         crate::schedule::due_in(),
                         crate::lineage::restored(),
                         dispatch::events_waiting(),
+                        crate::ticks::wanted(),
                     )
                 } else {
-                    ((Vec::new(), Some(Vec::new())), None, false, false)
+                    ((Vec::new(), Some(Vec::new())), None, false, false, false)
                 };
             (
                 state,
                 sinks,
                 subscriptions,
                 schedule_due_in,
-                restored,
+                (restored, ticking),
                 waiting,
             )
         });
-        let (state, sinks, (subscriptions, subscriptions_read), schedule_due_in, restored, waiting) =
-            match round {
-                Ok(round) => round,
-                Err(e) => {
-                    self.failed(&e.to_string());
-                    return poll;
-                }
-            };
+        let (
+            state,
+            sinks,
+            (subscriptions, subscriptions_read),
+            schedule_due_in,
+            (restored, ticking),
+            waiting,
+        ) = match round {
+            Ok(round) => round,
+            Err(e) => {
+                self.failed(&e.to_string());
+                return poll;
+            }
+        };
         if state == Installed::Missing {
             // A probe found nothing, or DROP EXTENSION: the launcher remembers, and looks again
             // when CREATE EXTENSION asks it to.
@@ -389,10 +396,11 @@ impl Worker {
                 Err(_) => adopted = false,
             }
         }
-        // A tick, before anything is read: it holds every commit up to now (crate::ticks). Not
-        // while a restored log waits to be adopted: its snapshot would be in the terms of an
+        // A tick, before anything is read: it holds every commit up to now (crate::ticks). Only
+        // while a reader reads by ticks (no transaction a round for a log nobody reads so), and
+        // not while a restored log waits to be adopted: its snapshot would be in the terms of an
         // epoch that is not settled yet.
-        if adopted {
+        if adopted && ticking {
             if let Err(e) = in_transaction(crate::ticks::take) {
                 self.failed(&format!("taking a tick: {e}"));
             }

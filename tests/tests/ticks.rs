@@ -494,7 +494,8 @@ fn the_workers_tick_when_a_commit_wakes_them_and_a_long_transaction_does_not_sto
         "CREATE TABLE seen (n bigint); \
          CREATE FUNCTION keep(events outbox.event[]) RETURNS void LANGUAGE sql \
            AS 'INSERT INTO seen SELECT count(*) FROM unnest(events)'; \
-         SELECT outbox.create_sink('keeper', 'keep(outbox.event[])')",
+         SELECT outbox.create_sink('keeper', 'keep(outbox.event[])'); \
+         SELECT outbox.alter_sink('keeper', '{\"read_by\": \"ticks\"}')",
     )
     .unwrap();
     let in_a_tick = |c: &mut Client, txid: &str| {

@@ -1316,6 +1316,19 @@ LANGUAGE sql STABLE AS $$
      ORDER BY l.txid, l.seq
 $$;
 
+-- _snapshot_log's rows as a pull consumer receives them (outbox.read), as _read_after is the read
+-- rule's.
+CREATE FUNCTION outbox._batch_after(since pg_catalog.pg_snapshot, upto pg_catalog.pg_snapshot,
+                                    after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
+RETURNS SETOF outbox.event
+LANGUAGE sql STABLE AS $$
+    SELECT r.id,
+           (r.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) r.seq::pg_catalog.text,
+           r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at
+      FROM outbox._snapshot_log(since, upto, after_txid, after_seq, max_events) r
+     ORDER BY r.txid, r.seq
+$$;
+
 -- The batch window of a reader by ticks, as outbox._read_window is the read horizon's: the next
 -- events of the batch from snapshot `since` to snapshot `till` after (after_txid, after_seq), at most
 -- max_events, numbered n from 1, cut before their payloads and headers pass max_bytes (never
@@ -1369,6 +1382,80 @@ $$;
 DROP TRIGGER consumers_forward_only ON outbox.consumers;
 CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq, tick ON outbox.consumers
     FOR EACH ROW EXECUTE FUNCTION outbox._cursor_forward_only();
+
+-- Pull consumers read by ticks too (outbox.alter_consumer, src/cursor.rs).
+-- A consumer that reads by ticks (src/sql/ticks.sql) reads the rest of its batch, then the batches
+-- of the ticks after it, in order, each from the snapshot the one before ends at; advance() finds
+-- a position's batch the same way (src/cursor.rs). The ticks are flushed to disk before their
+-- batches are handed out (outbox._flush_log).
+CREATE OR REPLACE FUNCTION outbox.read(consumer text, max_events integer DEFAULT 100)
+RETURNS SETOF outbox.event
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c outbox.consumers;
+    t record;
+    got bigint;
+    left_over bigint;
+    flushed boolean := false;
+BEGIN
+    IF consumer IS NULL THEN
+        RAISE EXCEPTION 'consumer must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF max_events IS NULL THEN
+        RAISE EXCEPTION 'max_events must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- The rule of pg_outbox_core::name, so that a bad name says so rather than "does not exist".
+    IF consumer !~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$' THEN
+        RAISE EXCEPTION 'invalid consumer name "%"', consumer USING ERRCODE = 'invalid_name',
+            HINT = 'a consumer name is 1 to 63 letters, digits, ''_'', ''-'' or ''.'', starting with a letter or digit';
+    END IF;
+    -- 100000: pg_outbox_core::limits::READ_MAX (the result is materialised).
+    IF max_events < 1 OR max_events > 100000 THEN
+        RAISE EXCEPTION 'max_events must be between 1 and 100000, not %', max_events
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO c FROM outbox.consumers WHERE name = consumer;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'consumer "%" does not exist', consumer
+            USING ERRCODE = 'undefined_object',
+                  HINT = 'create it with outbox.create_consumer()';
+    END IF;
+    IF c.tick IS NULL THEN
+        RETURN QUERY SELECT * FROM outbox._read_after(c.txid, c.seq, max_events);
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT * FROM outbox._batch_after(c.since, c.upto, c.txid, c.seq, max_events);
+    GET DIAGNOSTICS got = ROW_COUNT;
+    left_over := max_events - got;
+    FOR t IN SELECT k.tick, k.snapshot FROM outbox.ticks k WHERE k.tick > c.tick ORDER BY k.tick LOOP
+        EXIT WHEN left_over <= 0;
+        IF NOT flushed THEN
+            PERFORM outbox._flush_log();
+            flushed := true;
+        END IF;
+        RETURN QUERY SELECT * FROM outbox._batch_after(c.upto, t.snapshot, '0', 0, left_over::integer);
+        GET DIAGNOSTICS got = ROW_COUNT;
+        left_over := left_over - got;
+        c.upto := t.snapshot;
+    END LOOP;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.read(text, integer) IS
+    'The next events after the consumer''s cursor, in the order it reads them; does not move the cursor.';
+
+CREATE FUNCTION outbox."_flush_log"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'flush_log_wrapper';
+
+CREATE FUNCTION outbox."alter_consumer"(
+	"consumer" TEXT,
+	"options" jsonb
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'alter_consumer_wrapper';
 
 -- outbox.status() (src/status.rs) for the role `who`: one row per consumer (pull consumers, sinks,
 -- subscriptions). Error texts come from tenants' code and may quote their data: `who` sees them
@@ -1738,7 +1825,8 @@ BEGIN
                     'set_schedule', 'schedule', 'schedule_status', '_schedule', '_schedule_allowed',
                     '_schedule_denied', '_ran_each', '_place_one_offs', '_check_expire_after', '_alter_queue',
                     'alter_queue', '_announce_jobs', '_schedule_status', '_announce', 'create_kafka_sink', 'alter_sink',
-                    '_log_snapshot', '_lock_ticks', '_tick', '_tick_before', '_tick_snapshot', '_snapshot_log', '_tick_log', '_batch_window']) LOOP
+                    '_log_snapshot', '_lock_ticks', '_tick', '_tick_before', '_tick_snapshot', '_snapshot_log', '_tick_log', '_batch_window',
+                    '_batch_after', '_flush_log', 'alter_consumer']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

@@ -24,19 +24,28 @@ pub struct Consumer {
     pub owner: pg_sys::Oid,
     pub kind: String,
     pub cursor: Position,
+    /// It reads by ticks (`read_by`)...
+    pub by_ticks: bool,
+    /// ...and is in this batch (None: at `cursor` of the read horizon's).
+    pub batch: Option<Batch>,
 }
 
 /// Looks a consumer up (as the owner) and locks its row against concurrent changes.
 fn lookup_for_update(consumer: &str) -> Option<Consumer> {
     Spi::connect_mut(|client| {
         let rows = client.update(
-            "SELECT owner, kind, txid::text, seq FROM outbox.consumers WHERE name = $1 FOR UPDATE",
+            "SELECT owner, kind, txid::text, seq, read_by = 'ticks', tick, since::text, upto::text \
+               FROM outbox.consumers WHERE name = $1 FOR UPDATE",
             None,
             &[DatumWithOid::from(consumer)],
         )?;
         let mut found = None;
         for row in rows {
             let txid: String = row.get(3)?.expect("txid is NOT NULL");
+            let batch = match (row.get::<i64>(6)?, row.get(7)?, row.get(8)?) {
+                (Some(tick), Some(since), Some(upto)) => Some(Batch { tick, since, upto }),
+                _ => None,
+            };
             found = Some(Consumer {
                 owner: row.get::<pg_sys::Oid>(1)?.expect("owner is NOT NULL"),
                 kind: row.get(2)?.expect("kind is NOT NULL"),
@@ -44,6 +53,8 @@ fn lookup_for_update(consumer: &str) -> Option<Consumer> {
                     txid.parse().expect("xid8 prints as an integer"),
                     row.get(4)?.expect("seq"),
                 ),
+                by_ticks: row.get(5)?.expect("read_by is NOT NULL"),
+                batch,
             });
         }
         Ok::<_, pgrx::spi::Error>(found)
@@ -83,7 +94,7 @@ pub fn owned_consumer(consumer: Option<&str>, action: &'static str) -> (String, 
 }
 
 /// `owned_consumer`, refusing a sink (its cursor moves with its deliveries).
-fn owned_pull_consumer(consumer: Option<&str>, action: &'static str) -> String {
+fn owned_pull_consumer(consumer: Option<&str>, action: &'static str) -> (String, Consumer) {
     let (name, found) = owned_consumer(consumer, action);
     if found.kind != "pull" {
         Error::NotPull {
@@ -92,17 +103,26 @@ fn owned_pull_consumer(consumer: Option<&str>, action: &'static str) -> String {
         }
         .report();
     }
-    name
+    (name, found)
 }
 
-/// Parses a position and refuses one no reader can have been handed yet.
-fn readable_position(position: Option<&str>, argument: &str) -> Position {
-    let position: Position = required(position, argument).or_report().parse().or_report();
+/// Parses a position.
+fn parse_position(position: Option<&str>, argument: &str) -> Position {
+    required(position, argument).or_report().parse().or_report()
+}
+
+/// Refuses a position of the read horizon's that no reader can have been handed yet.
+fn below_horizon(position: Position) -> Position {
     let horizon = read_rule::horizon();
     if !position.is_below(horizon) {
         Error::BeyondHorizon { position, horizon }.report();
     }
     position
+}
+
+/// Parses a position and refuses one no reader by the read horizon can have been handed yet.
+fn readable_position(position: Option<&str>, argument: &str) -> Position {
+    below_horizon(parse_position(position, argument))
 }
 
 fn cursor_args(consumer: &str, p: Position) -> [DatumWithOid<'static>; 3] {
@@ -235,11 +255,153 @@ fn create_consumer(name: Option<&str>, start_at: default!(Option<&str>, "'origin
 
 /// Moves a pull consumer's cursor forward to `position` (the last event it has consumed).
 /// Returns false, and leaves the cursor alone, when that would not move it forward.
+///
+/// A consumer that reads by ticks moves into the batch that holds `position`: its own, or the
+/// first batch after it whose tick sees the position's transaction ended (what `outbox.read`
+/// handed out, batch after batch).
 #[pg_extern(volatile, parallel_unsafe)]
 fn advance(consumer: Option<&str>, position: Option<&str>) -> bool {
-    let target = readable_position(position, "position");
-    let consumer = owned_pull_consumer(consumer, "advance");
-    save(&consumer, target)
+    let target = parse_position(position, "position");
+    let (consumer, found) = owned_pull_consumer(consumer, "advance");
+    let Some(batch) = found.batch else {
+        return save(&consumer, below_horizon(target));
+    };
+    match batch_of(&batch, target) {
+        Whose::Passed => false,
+        Whose::Batch(batch) => save_at(
+            &consumer,
+            &At {
+                pos: target,
+                batch: Some(batch),
+            },
+        ),
+        Whose::NotYet => Error::NotInBatch { position: target }.report(),
+    }
+}
+
+/// Where a position falls for a reader in `batch`.
+enum Whose {
+    /// In a batch before it: passed.
+    Passed,
+    /// In this batch (`batch` itself, or one after it).
+    Batch(Batch),
+    /// In no batch yet: its transaction was running (or had not begun) at the newest tick.
+    NotYet,
+}
+
+/// The batch of a reader in `batch` that holds `position`: its own if the position's transaction
+/// is one `upto` sees and `since` does not; else the first batch after it (chained as
+/// `outbox.read` reads them: each from the snapshot the one before ends at) whose tick sees it.
+fn batch_of(batch: &Batch, position: Position) -> Whose {
+    let row = as_owner(|| {
+        Spi::connect(|client| {
+            let table = client.select(
+                "SELECT pg_catalog.pg_visible_in_snapshot($1::xid8, $2::text::pg_snapshot), \
+                        pg_catalog.pg_visible_in_snapshot($1::xid8, $3::text::pg_snapshot), \
+                        n.tick, n.since, n.upto \
+                   FROM (SELECT 1) one \
+                   LEFT JOIN LATERAL ( \
+                        SELECT b.tick, b.since::text, b.upto::text \
+                          FROM (SELECT t.tick, t.snapshot AS upto, \
+                                       coalesce(lag(t.snapshot) OVER (ORDER BY t.tick), \
+                                                $3::text::pg_snapshot) AS since \
+                                  FROM outbox.ticks t WHERE t.tick > $4) b \
+                         WHERE pg_catalog.pg_visible_in_snapshot($1::xid8, b.upto) \
+                         ORDER BY b.tick LIMIT 1) n ON true",
+                Some(1),
+                &[
+                    DatumWithOid::from(position.txid.to_string()),
+                    DatumWithOid::from(batch.since.as_str()),
+                    DatumWithOid::from(batch.upto.as_str()),
+                    DatumWithOid::from(batch.tick),
+                ],
+            )?;
+            let row = table.first();
+            Ok::<_, pgrx::spi::Error>((
+                row.get::<bool>(1)?.expect("visible"),
+                row.get::<bool>(2)?.expect("visible"),
+                match (row.get::<i64>(3)?, row.get(4)?, row.get(5)?) {
+                    (Some(tick), Some(since), Some(upto)) => Some(Batch { tick, since, upto }),
+                    _ => None,
+                },
+            ))
+        })
+    })
+    .unwrap_or_else(|e| panic!("finding the batch of {position}: {e}"));
+    match row {
+        (true, _, _) => Whose::Passed,
+        (false, true, _) => Whose::Batch(batch.clone()),
+        (false, false, Some(later)) => Whose::Batch(later),
+        (false, false, None) => Whose::NotYet,
+    }
+}
+
+/// The batch a reader at `pos` that starts to read by ticks is in, from now on: from `since`, a
+/// snapshot that sees every transaction before `pos` ended and none after (a position of the read
+/// horizon's: they all had ended), to `upto`, this statement's snapshot, taken while the tick
+/// takers' lock is held (only then, see `lease::with_ticks_held`): every tick after `tick`, the
+/// newest, is taken after it and sees what it sees, so the batches after chain on from it.
+/// `what` names the call, for the error in REPEATABLE READ (whose snapshot may be older than a
+/// tick it cannot see).
+pub fn start_batch(pos: Position, what: &'static str) -> Batch {
+    // SAFETY: reads a backend global.
+    if unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32 {
+        Error::Isolation {
+            what,
+            why: "a reader by ticks starts its batch at a snapshot taken after the newest tick committed",
+        }
+        .report();
+    }
+    let (tick, upto) = crate::lease::with_ticks_held(|| {
+        as_owner(|| {
+            Spi::get_two::<i64, String>(
+                "SELECT coalesce(max(t.tick), 0), outbox._log_snapshot() FROM outbox.ticks t",
+            )
+        })
+    })
+    .unwrap_or_else(|e| panic!("starting a batch: {e}"));
+    let seen = pos.txid.max(1);
+    Batch {
+        tick: tick.expect("coalesce"),
+        since: format!("{seen}:{seen}:"),
+        upto: upto.expect("a snapshot"),
+    }
+}
+
+/// Changes options of a pull consumer its caller owns (see `pg_outbox_core::options`):
+/// `read_by` "ticks" makes it read batch by batch, from where it is, at once; a consumer that
+/// reads by ticks goes on doing so.
+#[pg_extern(volatile, parallel_unsafe)]
+fn alter_consumer(consumer: Option<&str>, options: Option<pgrx::JsonB>) {
+    let (name, found) = owned_pull_consumer(consumer, "alter");
+    let options = required(options, "options").or_report();
+    let options = pg_outbox_core::options::parse_consumer(&options.0).or_report();
+    match (options.read_by_ticks, found.by_ticks) {
+        (None, _) | (Some(true), true) | (Some(false), false) => {}
+        (Some(false), true) => Error::ReadBy {
+            what: "consumer",
+            name,
+            why: "reads by ticks and cannot go back to the read horizon",
+        }
+        .report(),
+        (Some(true), false) => {
+            let batch = start_batch(found.cursor, "outbox.alter_consumer()");
+            as_owner(|| {
+                Spi::run_with_args(
+                    "UPDATE outbox.consumers SET read_by = 'ticks', tick = $2, \
+                            since = $3::text::pg_snapshot, upto = $4::text::pg_snapshot \
+                      WHERE name = $1",
+                    &[
+                        DatumWithOid::from(name.as_str()),
+                        DatumWithOid::from(batch.tick),
+                        DatumWithOid::from(batch.since.as_str()),
+                        DatumWithOid::from(batch.upto.as_str()),
+                    ],
+                )
+            })
+            .unwrap_or_else(|e| panic!("altering consumer: {e}"));
+        }
+    }
 }
 
 /// Moves a consumer's (or sink's) cursor to `position`, backward or forward, on purpose. Logged.
@@ -249,11 +411,24 @@ fn rewind(consumer: Option<&str>, position: Option<&str>) -> String {
     let target = readable_position(position, "position");
     lock_cursors_shared();
     let (consumer, found) = owned_consumer(consumer, "rewind");
+    // A pull consumer by ticks starts a batch there at once; a sink's or subscription's worker
+    // does at its next pass, under its lease.
+    let batch =
+        (found.by_ticks && found.kind == "pull").then(|| start_batch(target, "outbox.rewind()"));
+    let [n, t, s] = cursor_args(&consumer, target);
     as_owner(|| {
         Spi::run_with_args(
-            "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, tick = NULL, since = NULL, upto = NULL, \
+            "UPDATE outbox.consumers SET txid = $2::xid8, seq = $3, tick = $4, \
+                    since = $5::text::pg_snapshot, upto = $6::text::pg_snapshot, \
                     rewinds = rewinds + 1, moved_at = now() WHERE name = $1",
-            &cursor_args(&consumer, target),
+            &[
+                n,
+                t,
+                s,
+                DatumWithOid::from(batch.as_ref().map(|b| b.tick)),
+                DatumWithOid::from(batch.as_ref().map(|b| b.since.clone())),
+                DatumWithOid::from(batch.as_ref().map(|b| b.upto.clone())),
+            ],
         )
     })
     .unwrap_or_else(|e| panic!("rewinding consumer: {e}"));
@@ -280,7 +455,7 @@ fn rewind(consumer: Option<&str>, position: Option<&str>) -> String {
 /// Drops a pull consumer and its cursor. Events it alone was holding become prunable.
 #[pg_extern(volatile, parallel_unsafe)]
 fn drop_consumer(name: Option<&str>) {
-    let consumer = owned_pull_consumer(name, "drop");
+    let (consumer, _) = owned_pull_consumer(name, "drop");
     as_owner(|| {
         Spi::run_with_args(
             "DELETE FROM outbox.consumers WHERE name = $1",

@@ -29,6 +29,10 @@ pub enum Error {
         position: Position,
         horizon: u64,
     },
+    /// A position no reader by ticks can have been handed yet: no tick sees its transaction ended.
+    NotInBatch {
+        position: Position,
+    },
     /// The installed SQL objects are missing (extension dropped, or a half-installed schema).
     NotInstalled,
     /// A feature that needs the background workers, without pg_outbox preloaded.
@@ -63,11 +67,16 @@ pub enum Error {
     UnknownHandler(u32),
     /// The caller may not execute the handler it registers.
     HandlerNotExecutable(String),
-    /// An operation that needs READ COMMITTED (fresh snapshots per statement).
-    Isolation(&'static str),
-    /// A way of reading the log a sink cannot take (`outbox.alter_sink`'s read_by).
+    /// An operation that needs READ COMMITTED (fresh snapshots per statement): what, and why.
+    Isolation {
+        what: &'static str,
+        why: &'static str,
+    },
+    /// A way of reading the log a sink or consumer cannot take (`alter_sink`'s, `alter_consumer`'s
+    /// read_by).
     ReadBy {
-        sink: String,
+        what: &'static str,
+        name: String,
         why: &'static str,
     },
     /// An event's payload and headers over `pg_outbox.max_event_size`; `what` names the argument.
@@ -99,7 +108,9 @@ impl Error {
             Error::NotOwner { .. } | Error::ScheduleDenied(_) | Error::NotScheduleOwner(_) => {
                 ERRCODE_INSUFFICIENT_PRIVILEGE
             }
-            Error::BeyondHorizon { .. } => ERRCODE_INVALID_PARAMETER_VALUE,
+            Error::BeyondHorizon { .. } | Error::NotInBatch { .. } => {
+                ERRCODE_INVALID_PARAMETER_VALUE
+            }
             Error::NotInstalled => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::NotPreloaded => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::LineageConflict => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -111,7 +122,7 @@ impl Error {
             Error::BadHandler { .. } => ERRCODE_INVALID_FUNCTION_DEFINITION,
             Error::UnknownHandler(_) => ERRCODE_UNDEFINED_FUNCTION,
             Error::HandlerNotExecutable(_) => ERRCODE_INSUFFICIENT_PRIVILEGE,
-            Error::Isolation(_) => ERRCODE_ACTIVE_SQL_TRANSACTION,
+            Error::Isolation { .. } => ERRCODE_ACTIVE_SQL_TRANSACTION,
             Error::EventTooLarge { .. } => ERRCODE_PROGRAM_LIMIT_EXCEEDED,
             Error::ReadBy { .. } => ERRCODE_FEATURE_NOT_SUPPORTED,
         }
@@ -131,6 +142,9 @@ impl Error {
             }
             Error::BeyondHorizon { position, .. } => {
                 format!("position {position} is beyond the read horizon")
+            }
+            Error::NotInBatch { position } => {
+                format!("position {position} is in no batch yet")
             }
             Error::NotInstalled => "pg_outbox is not installed in this database".into(),
             Error::NotPreloaded => {
@@ -160,11 +174,13 @@ impl Error {
             Error::HandlerNotExecutable(handler) => {
                 format!("permission denied to register handler {handler}")
             }
-            Error::Isolation(what) => format!("{what} must run in a READ COMMITTED transaction"),
+            Error::Isolation { what, .. } => {
+                format!("{what} must run in a READ COMMITTED transaction")
+            }
             Error::EventTooLarge { what, size, max } => {
                 format!("{what} of an event must be at most {max} bytes together, not {size}")
             }
-            Error::ReadBy { sink, why } => format!("sink \"{sink}\" {why}"),
+            Error::ReadBy { what, name, why } => format!("{what} \"{name}\" {why}"),
         }
     }
 
@@ -172,6 +188,10 @@ impl Error {
         match self {
             Error::BeyondHorizon { horizon, .. } => Some(format!(
                 "Transaction {horizon} and later ones may still be running, so no reader has been handed events from them."
+            )),
+            Error::NotInBatch { position } => Some(format!(
+                "No tick has seen transaction {} end yet, so no reader by ticks has been handed its events.",
+                position.txid
             )),
             _ => None,
         }
@@ -197,7 +217,7 @@ impl Error {
             Error::NotOwner { what, .. } => Some(format!(
                 "only members of the role that created the {what} may change it"
             )),
-            Error::BeyondHorizon { .. } => {
+            Error::BeyondHorizon { .. } | Error::NotInBatch { .. } => {
                 Some("advance only to positions that outbox.read() returned".into())
             }
             Error::NotInstalled => Some("run CREATE EXTENSION pg_outbox".into()),
@@ -219,12 +239,15 @@ impl Error {
             Error::HandlerNotExecutable(_) => {
                 Some("the registering role needs EXECUTE on the handler; the handler runs as that role".into())
             }
-            Error::Isolation(_) => Some("it needs to see cursors committed while it waited".into()),
+            Error::Isolation { why, .. } => Some(why.to_string()),
             Error::EventTooLarge { .. } => Some(
                 "pg_outbox.max_event_size (superuser) sets the limit; store large documents in a table and put their key in the event".into(),
             ),
-            Error::ReadBy { .. } => Some(
+            Error::ReadBy { what: "sink", .. } => Some(
                 "SQL sinks read by ticks (read_by \"ticks\") or by the read horizon (\"horizon\", the default); a sink that reads by ticks goes on doing so".into(),
+            ),
+            Error::ReadBy { .. } => Some(
+                "a pull consumer reads by ticks (read_by \"ticks\") or by the read horizon (\"horizon\", the default); one that reads by ticks goes on doing so".into(),
             ),
             _ => None,
         }

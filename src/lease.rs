@@ -76,3 +76,16 @@ pub fn cursors_exclusive(wait: bool) -> bool {
 pub fn ticks_exclusive() {
     acquire(Class::Ticks, 0, pg_sys::ExclusiveLock, true);
 }
+
+/// Runs `f` holding the tick takers' lock, released as soon as it returns (an error releases it
+/// with the transaction): a reader that starts a batch of its own (`cursor::start_batch`) takes
+/// its snapshot after the newest tick committed and before the next is taken, and needs nothing
+/// more. A role's own call so never holds a tick back, however long its transaction stays open.
+pub fn with_ticks_held<R>(f: impl FnOnce() -> R) -> R {
+    ticks_exclusive();
+    let result = f();
+    let tag = tag(Class::Ticks, 0);
+    // SAFETY: releases the hold this backend took above (one of its holds, if it had more).
+    unsafe { pg_sys::LockRelease(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, false) };
+    result
+}

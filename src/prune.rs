@@ -61,7 +61,11 @@ fn prune_bound(wait: bool) -> Option<Position> {
 fn prune_events(retention: DatumWithOid<'_>, cutoff_sql: &str, batch_size: i32) -> i64 {
     // SAFETY: reads a backend global.
     if unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32 {
-        Error::Isolation("outbox.prune()").report();
+        Error::Isolation {
+            what: "outbox.prune()",
+            why: "it needs to see cursors committed while it waited",
+        }
+        .report();
     }
     let sql = format!(
         "WITH batch AS ( \

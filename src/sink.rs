@@ -380,7 +380,8 @@ fn read_by(id: &str, ticks: bool) {
     };
     if let Some(why) = why {
         Error::ReadBy {
-            sink: id.to_string(),
+            what: "sink",
+            name: id.to_string(),
             why,
         }
         .report();

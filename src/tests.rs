@@ -192,7 +192,7 @@ mod tests {
                   WHERE n.nspname = 'outbox' AND l.lanname IN ('sql', 'plpgsql') \
                     AND NOT coalesce('search_path=pg_catalog, pg_temp' = ANY (p.proconfig), false)"
             ),
-            "_batch_window,_claim,_complete_many,_may,_my_xid,_read_after,_read_log,_read_window,_snapshot_log,_tick_log"
+            "_batch_after,_batch_window,_claim,_complete_many,_may,_my_xid,_read_after,_read_log,_read_window,_snapshot_log,_tick_log"
         );
     }
 

@@ -104,3 +104,19 @@ pub fn prune() -> i64 {
 fn lock_ticks() {
     crate::lease::ticks_exclusive();
 }
+
+/// `outbox._flush_log()`: returns once the WAL written so far is on disk. The workers commit their
+/// ticks without waiting for that (a sink that delivers a tick's batch commits later, and its
+/// flush covers the tick); `outbox.read` hands a pull consumer the batches of ticks and commits
+/// nothing, so it flushes first: a tick lost in a crash after its batch was handed out would be
+/// taken again with another snapshot, and the batches after the reader's cursor would not be the
+/// ones it read. Free when nothing is waiting to be flushed; nothing during recovery.
+#[pg_extern(name = "_flush_log", volatile, parallel_unsafe)]
+fn flush_log() {
+    // SAFETY: plain calls into the WAL machinery, as any backend that commits makes them.
+    unsafe {
+        if !pg_sys::RecoveryInProgress() {
+            pg_sys::XLogFlush(pg_sys::GetXLogInsertRecPtr());
+        }
+    }
+}

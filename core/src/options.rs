@@ -1,4 +1,5 @@
-//! The options `outbox.alter_sink(id, options jsonb)` changes on a sink after its creation.
+//! The options `outbox.alter_sink(id, options jsonb)` changes on a sink after its creation, and
+//! `outbox.alter_consumer(consumer, options jsonb)` on a pull consumer.
 //!
 //! A jsonb object rather than one argument per option, so that a new option never changes the
 //! function's signature (and with it every grant on it). Each key is checked here: an unknown key,
@@ -22,9 +23,22 @@ pub struct SinkOptions {
 /// The options a sink takes, for messages.
 pub const SINK_OPTIONS: &str = "synchronous_commit (boolean), read_by (\"ticks\" or \"horizon\")";
 
+/// The options a pull consumer takes, for messages.
+pub const CONSUMER_OPTIONS: &str = "read_by (\"ticks\" or \"horizon\")";
+
 /// Parses the options object of `alter_sink`.
 pub fn parse(options: &Value) -> Result<SinkOptions, Invalid> {
-    let hint = || format!("the options of a sink: {SINK_OPTIONS}");
+    parse_for("sink", SINK_OPTIONS, options)
+}
+
+/// Parses the options object of `alter_consumer`: `read_by` only (a pull consumer commits its
+/// own cursor moves, so `synchronous_commit` is its session's).
+pub fn parse_consumer(options: &Value) -> Result<SinkOptions, Invalid> {
+    parse_for("consumer", CONSUMER_OPTIONS, options)
+}
+
+fn parse_for(what: &str, known: &str, options: &Value) -> Result<SinkOptions, Invalid> {
+    let hint = || format!("the options of a {what}: {known}");
     let Value::Object(map) = options else {
         return Err(Invalid::new(
             InvalidKind::Parameter,
@@ -41,8 +55,10 @@ pub fn parse(options: &Value) -> Result<SinkOptions, Invalid> {
     let mut parsed = SinkOptions::default();
     for (key, value) in map {
         match (key.as_str(), value) {
-            ("synchronous_commit", Value::Bool(on)) => parsed.synchronous_commit = Some(*on),
-            ("synchronous_commit", other) => {
+            ("synchronous_commit", Value::Bool(on)) if what == "sink" => {
+                parsed.synchronous_commit = Some(*on)
+            }
+            ("synchronous_commit", other) if what == "sink" => {
                 return Err(Invalid::new(
                     InvalidKind::Parameter,
                     format!(
@@ -70,7 +86,7 @@ pub fn parse(options: &Value) -> Result<SinkOptions, Invalid> {
             (other, _) => {
                 return Err(Invalid::new(
                     InvalidKind::Parameter,
-                    format!("unknown sink option \"{}\"", clip(other)),
+                    format!("unknown {what} option \"{}\"", clip(other)),
                 )
                 .with_hint(hint()))
             }
@@ -123,6 +139,27 @@ mod tests {
             assert_eq!(e.kind, InvalidKind::Parameter);
             assert!(e.message.contains("true or false"), "{}", e.message);
         }
+    }
+
+    #[test]
+    fn a_consumer_takes_read_by_only() {
+        assert_eq!(
+            parse_consumer(&json!({"read_by": "ticks"})).unwrap(),
+            SinkOptions {
+                synchronous_commit: None,
+                read_by_ticks: Some(true),
+            }
+        );
+        let e = parse_consumer(&json!({"synchronous_commit": false})).unwrap_err();
+        assert_eq!(e.kind, InvalidKind::Parameter);
+        assert!(
+            e.message
+                .contains("unknown consumer option \"synchronous_commit\""),
+            "{}",
+            e.message
+        );
+        assert!(parse_consumer(&json!({})).is_err());
+        assert!(parse_consumer(&json!({"read_by": "xmin"})).is_err());
     }
 
     #[test]

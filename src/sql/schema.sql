@@ -178,11 +178,19 @@ LANGUAGE sql STABLE AS $$
      ORDER BY r.txid, r.seq
 $$;
 
+-- A consumer that reads by ticks (src/sql/ticks.sql) reads the rest of its batch, then the batches
+-- of the ticks after it, in order, each from the snapshot the one before ends at; advance() finds
+-- a position's batch the same way (src/cursor.rs). The ticks are flushed to disk before their
+-- batches are handed out (outbox._flush_log).
 CREATE FUNCTION outbox.read(consumer text, max_events integer DEFAULT 100)
 RETURNS SETOF outbox.event
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     c outbox.consumers;
+    t record;
+    got bigint;
+    left_over bigint;
+    flushed boolean := false;
 BEGIN
     IF consumer IS NULL THEN
         RAISE EXCEPTION 'consumer must not be NULL' USING ERRCODE = 'null_value_not_allowed';
@@ -206,9 +214,26 @@ BEGIN
             USING ERRCODE = 'undefined_object',
                   HINT = 'create it with outbox.create_consumer()';
     END IF;
-    RETURN QUERY SELECT * FROM outbox._read_after(c.txid, c.seq, max_events);
+    IF c.tick IS NULL THEN
+        RETURN QUERY SELECT * FROM outbox._read_after(c.txid, c.seq, max_events);
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT * FROM outbox._batch_after(c.since, c.upto, c.txid, c.seq, max_events);
+    GET DIAGNOSTICS got = ROW_COUNT;
+    left_over := max_events - got;
+    FOR t IN SELECT k.tick, k.snapshot FROM outbox.ticks k WHERE k.tick > c.tick ORDER BY k.tick LOOP
+        EXIT WHEN left_over <= 0;
+        IF NOT flushed THEN
+            PERFORM outbox._flush_log();
+            flushed := true;
+        END IF;
+        RETURN QUERY SELECT * FROM outbox._batch_after(c.upto, t.snapshot, '0', 0, left_over::integer);
+        GET DIAGNOSTICS got = ROW_COUNT;
+        left_over := left_over - got;
+        c.upto := t.snapshot;
+    END LOOP;
 END
 $$;
 
 COMMENT ON FUNCTION outbox.read(text, integer) IS
-    'The next events after the consumer''s cursor, in log order; does not move the cursor.';
+    'The next events after the consumer''s cursor, in the order it reads them; does not move the cursor.';

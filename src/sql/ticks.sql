@@ -165,6 +165,19 @@ LANGUAGE sql STABLE AS $$
      ORDER BY l.txid, l.seq
 $$;
 
+-- _snapshot_log's rows as a pull consumer receives them (outbox.read), as _read_after is the read
+-- rule's.
+CREATE FUNCTION outbox._batch_after(since pg_catalog.pg_snapshot, upto pg_catalog.pg_snapshot,
+                                    after_txid pg_catalog.xid8, after_seq bigint, max_events integer)
+RETURNS SETOF outbox.event
+LANGUAGE sql STABLE AS $$
+    SELECT r.id,
+           (r.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) r.seq::pg_catalog.text,
+           r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at
+      FROM outbox._snapshot_log(since, upto, after_txid, after_seq, max_events) r
+     ORDER BY r.txid, r.seq
+$$;
+
 -- The batch window of a reader by ticks, as outbox._read_window is the read horizon's: the next
 -- events of the batch from snapshot `since` to snapshot `till` after (after_txid, after_seq), at most
 -- max_events, numbered n from 1, cut before their payloads and headers pass max_bytes (never

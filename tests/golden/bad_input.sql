@@ -557,6 +557,24 @@ SELECT outbox.alter_sink('s1', '{"read_by": null}');
 SELECT outbox.alter_sink('s1', jsonb_build_object('read_by', repeat('t', 1000)));
 SELECT outbox.alter_sink('h1', '{"read_by": "ticks"}');
 
+-- ================================================================================ alter_consumer
+SELECT outbox.alter_consumer(NULL, '{"read_by": "ticks"}');
+SELECT outbox.alter_consumer('', '{"read_by": "ticks"}');
+SELECT outbox.alter_consumer(repeat('n', 64), '{"read_by": "ticks"}');
+SELECT outbox.alter_consumer('x''; DROP TABLE outbox.events; --', '{"read_by": "ticks"}');
+SELECT outbox.alter_consumer('nope', '{"read_by": "ticks"}');
+SELECT outbox.alter_consumer('s1', '{"read_by": "ticks"}');
+SELECT outbox.alter_consumer('sub1', '{"read_by": "ticks"}');
+SELECT outbox.alter_consumer('c1', NULL);
+SELECT outbox.alter_consumer('c1', '{}');
+SELECT outbox.alter_consumer('c1', '[]');
+SELECT outbox.alter_consumer('c1', '{"synchronous_commit": false}');
+SELECT outbox.alter_consumer('c1', '{"read_by": "xmin"}');
+SELECT outbox.alter_consumer('c1', '{"read_by": null}');
+SELECT outbox.alter_consumer('c1', jsonb_build_object(repeat('k', 1000), 1));
+-- accepted: the read horizon, as it was
+SELECT outbox.alter_consumer('c1', '{"read_by": "horizon"}');
+
 -- ======================================================================= replay(sink, position)
 SELECT outbox.replay(NULL, '1:1');
 SELECT outbox.replay('s1', NULL);
@@ -1024,7 +1042,7 @@ CREATE ROLE outbox_bad_input NOLOGIN;
 GRANT USAGE ON SCHEMA outbox TO outbox_bad_input;
 GRANT EXECUTE ON FUNCTION outbox.advance(text, text), outbox.rewind(text, text), outbox.drop_consumer(text),
       outbox.create_sink(text, regprocedure, text[], integer, text), outbox.pause_sink(text), outbox.drop_sink(text),
-      outbox.alter_sink(text, jsonb),
+      outbox.alter_sink(text, jsonb), outbox.alter_consumer(text, jsonb),
       outbox.replay(text), outbox.subscribe(text, text[], regprocedure, text, text, integer, text),
       outbox.unsubscribe(text), outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
       outbox.unschedule(text), outbox.claim(text, integer, interval), outbox.complete_many(bigint[]),
@@ -1045,6 +1063,7 @@ SELECT outbox.prune();
 SELECT outbox.advance('c1', '1:1');
 SELECT outbox.rewind('c1', '1:1');
 SELECT outbox.drop_consumer('c1');
+SELECT outbox.alter_consumer('c1', '{"read_by": "ticks"}');
 SELECT outbox.pause_sink('s1');
 SELECT outbox.alter_sink('s1', '{"synchronous_commit": false}');
 SELECT outbox.drop_sink('h1');

@@ -18,6 +18,12 @@ const SUBSCRIBER_GRANTS: &str = "GRANT USAGE ON SCHEMA outbox TO {r};
         outbox.pause_subscription(text), outbox.resume_subscription(text),
         outbox.unsubscribe(text), outbox.replay_job(bigint) TO {r};";
 
+/// The README's grants for a team that reads with a pull consumer.
+const CONSUMER_GRANTS: &str = "GRANT USAGE ON SCHEMA outbox TO {r};
+    GRANT EXECUTE ON FUNCTION outbox.create_consumer(text, text), outbox.read(text, integer),
+        outbox.advance(text, text), outbox.drop_consumer(text),
+        outbox.alter_consumer(text, jsonb) TO {r};";
+
 /// The README's grants for an application that raises events.
 const APP_GRANTS: &str = "GRANT USAGE ON SCHEMA outbox TO {r};
     GRANT EXECUTE ON FUNCTION outbox.raise(text, jsonb, text, text, jsonb),
@@ -429,6 +435,55 @@ fn advisory_locks_taken_with_only_connect_do_not_stall_anything() {
         .unwrap();
     // The leases are still visible to an operator, under a tag SQL cannot build.
     drop(stranger);
+}
+
+#[test]
+fn a_consumer_turned_to_ticks_in_a_transaction_left_open_does_not_stop_the_ticks() {
+    let db = worker_db("sec_ticks");
+    let mut su = db.connect();
+    let mut app = tenant(&db, "app", &[APP_GRANTS]);
+    let mut billing = tenant(&db, "billing", &[CONSUMER_GRANTS]);
+    // Another team's consumer reads by ticks: the workers tick for it.
+    su.batch_execute(
+        "SELECT outbox.create_consumer('theirs', 'now'); \
+         SELECT outbox.alter_consumer('theirs', '{\"read_by\": \"ticks\"}')",
+    )
+    .unwrap();
+    raise(&mut app, "a.b", 1);
+    let read = |su: &mut Client| count(su, "SELECT count(*) FROM outbox.read('theirs', 1000)");
+    eventually(
+        "the first event in a batch",
+        Duration::from_secs(10),
+        || (read(&mut su) == 1).then_some(()),
+    );
+    // Billing turns its own consumer to ticks, then leaves the transaction open; and tries the
+    // tick takers' lock itself.
+    billing
+        .batch_execute(
+            "SELECT outbox.create_consumer('mine', 'now'); \
+             BEGIN; SELECT outbox.alter_consumer('mine', '{\"read_by\": \"ticks\"}')",
+        )
+        .unwrap();
+    assert_eq!(
+        sqlstate(&mut billing, "SAVEPOINT s; SELECT outbox._lock_ticks()"),
+        "42501"
+    );
+    billing.batch_execute("ROLLBACK TO SAVEPOINT s").unwrap();
+    // The ticks go on: new events reach the other consumer's batches within seconds.
+    raise(&mut app, "a.b", 5);
+    eventually(
+        "ticks while billing's transaction is open",
+        Duration::from_secs(10),
+        || (read(&mut su) == 6).then_some(()),
+    );
+    billing.batch_execute("COMMIT").unwrap();
+    assert_eq!(
+        count(
+            &mut billing,
+            "SELECT count(*) FROM outbox.read('mine', 1000)"
+        ),
+        5
+    );
 }
 
 #[test]

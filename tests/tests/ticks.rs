@@ -1114,3 +1114,423 @@ fn a_first_raise_rolled_back_leaves_the_log_to_be_marked_by_the_next() {
         1
     );
 }
+
+/// One event a pull consumer read: (position, writer, transaction, index in it).
+type Pulled = (String, i32, i32, i32);
+
+/// Reads `consumer` until `done` says so: pages of 1 to 40 events; of each, consumes a first part
+/// (sometimes all of it, sometimes none) and advances to its last event, so the rest of the page
+/// is read again next time. What it consumed, in order.
+fn pull_until(
+    c: &mut Client,
+    consumer: &str,
+    seed: u64,
+    done: impl Fn(&[Pulled]) -> bool,
+) -> Vec<Pulled> {
+    let mut rng = seed;
+    let mut consumed: Vec<Pulled> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done(&consumed) {
+        assert!(
+            Instant::now() < deadline,
+            "{consumer} consumed {} events, then no more",
+            consumed.len()
+        );
+        let max = 1 + (next(&mut rng) % 40) as i32;
+        let page: Vec<Pulled> = c
+            .query(
+                "SELECT position, (payload->>'w')::int, (payload->>'n')::int, (payload->>'j')::int \
+                   FROM outbox.read($1, $2)",
+                &[&consumer, &max],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+            .collect();
+        if page.is_empty() {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
+        let take = match next(&mut rng) % 4 {
+            0 => 0,
+            1 => 1 + (next(&mut rng) as usize % page.len()),
+            _ => page.len(),
+        };
+        if take == 0 {
+            continue;
+        }
+        let moved: bool = c
+            .query_one(
+                "SELECT outbox.advance($1, $2)",
+                &[&consumer, &page[take - 1].0],
+            )
+            .unwrap()
+            .get(0);
+        assert!(
+            moved,
+            "advance to {} did not move {consumer}",
+            page[take - 1].0
+        );
+        consumed.extend(page.into_iter().take(take));
+    }
+    consumed
+}
+
+#[test]
+fn a_pull_consumer_that_reads_by_ticks_gets_every_event_once_while_a_long_transaction_is_open() {
+    let db = worker_db("ticks_pull");
+    let mut c = db.connect();
+    // A log that was raised in before (a log's first tick waits for its first raise to commit).
+    c.batch_execute(
+        "UPDATE outbox.lineage SET raised = true; \
+         SELECT outbox.create_consumer('puller', 'now'); \
+         SELECT outbox.alter_consumer('puller', '{\"read_by\": \"ticks\"}'); \
+         SELECT outbox.create_consumer('old', 'now')",
+    )
+    .unwrap();
+    // It is in a batch at once: no wait for a tick, nor for the read horizon.
+    let tick: Option<i64> = c
+        .query_one(
+            "SELECT tick FROM outbox.consumers WHERE name = 'puller'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(tick, Some(0), "in a batch before the first tick");
+    const LONG: i32 = 99;
+    let mut long = db.connect();
+    long.batch_execute("BEGIN; SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 0}')")
+        .unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (writers, committed, _) = spawn_writers(&db, 8, 0x9E37_79B9_7F4A_7C15, 4000, 5, &stop);
+    // The consumer reads while the writers write, and goes on until it has every short event.
+    let writing = stop.clone();
+    let shared = committed.clone();
+    let mut puller = db.connect();
+    let reader = std::thread::spawn(move || {
+        pull_until(&mut puller, "puller", 0xD1B5_4A32_D192_ED03, |consumed| {
+            if !writing.load(Ordering::SeqCst) {
+                return false;
+            }
+            let short: i64 = shared
+                .lock()
+                .unwrap()
+                .values()
+                .map(|(_, _, e)| *e as i64)
+                .sum();
+            consumed.len() as i64 >= short
+        })
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::SeqCst);
+    for w in writers {
+        w.join().unwrap();
+    }
+    let mut consumed = reader.join().unwrap();
+    let committed = committed.lock().unwrap().clone();
+    let short: i64 = committed.values().map(|(_, _, e)| *e as i64).sum();
+    assert_eq!(
+        consumed.len() as i64,
+        short,
+        "every short event, while the long transaction is open"
+    );
+    // status() tells the two apart, as for sinks.
+    let status = |c: &mut Client, name: &str| -> (String, i64) {
+        c.query_one(
+            "SELECT state, events_behind FROM outbox.status() WHERE name = $1",
+            &[&name],
+        )
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap()
+    };
+    assert_eq!(status(&mut c, "puller"), ("idle".to_string(), 0));
+    assert_eq!(status(&mut c, "old").0, "held by horizon");
+    long.batch_execute("SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 1}'); COMMIT")
+        .unwrap();
+    let mut puller = db.connect();
+    consumed.extend(pull_until(&mut puller, "puller", 7, |consumed| {
+        consumed.len() == 2
+    }));
+    assert!(pull_until(&mut puller, "puller", 8, |_| true).is_empty());
+    assert!(c
+        .query("SELECT * FROM outbox.read('puller', 100)", &[])
+        .unwrap()
+        .is_empty());
+
+    // Once each, nothing rolled back, a transaction's events together and in raise order, the
+    // long one last, and none committed before another began read after it.
+    let mut seen = HashSet::new();
+    let mut first_of: HashMap<(i32, i32), usize> = HashMap::new();
+    for (i, (pos, w, k, j)) in consumed.iter().enumerate() {
+        assert!(seen.insert((*w, *k, *j)), "({w}, {k}, {j}) at {pos} twice");
+        if *w != LONG {
+            let (_, _, events) = committed
+                .get(&(*w, *k))
+                .unwrap_or_else(|| panic!("({w}, {k}) was rolled back, yet read"));
+            assert!(*j < *events);
+        }
+        let at = *first_of.entry((*w, *k)).or_insert(i);
+        assert_eq!(
+            i - at,
+            *j as usize,
+            "({w}, {k}) is not together and in order"
+        );
+    }
+    assert_eq!(consumed.len() as i64, short + 2);
+    assert_eq!(first_of[&(LONG, 0)], consumed.len() - 2);
+    let mut by_begin: Vec<((i32, i32), Instant)> =
+        committed.iter().map(|(k, (b, _, _))| (*k, *b)).collect();
+    by_begin.sort_by_key(|(_, b)| *b);
+    for (a, (_, a_done, _)) in &committed {
+        let later = by_begin.partition_point(|(_, b)| b <= a_done);
+        for (b, _) in &by_begin[later..] {
+            assert!(
+                first_of[a] < first_of[b],
+                "{a:?} committed before {b:?} began, yet was read after it"
+            );
+        }
+    }
+    // The consumer by the read horizon beside it reads the same events, in log order.
+    let old = pull_until(&mut c, "old", 9, |consumed| {
+        consumed.len() as i64 == short + 2
+    });
+    let mut a: Vec<_> = old.iter().map(|(_, w, k, j)| (*w, *k, *j)).collect();
+    let mut b: Vec<_> = consumed.iter().map(|(_, w, k, j)| (*w, *k, *j)).collect();
+    a.sort();
+    b.sort();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn a_pull_consumer_by_ticks_advances_batch_by_batch_and_refuses_what_it_was_not_handed() {
+    let db = test_db("ticks_pull_advance");
+    let mut c = db.connect();
+    c.batch_execute(
+        "UPDATE outbox.lineage SET raised = true; \
+         SELECT outbox.raise('t', '{\"n\": 1}'); \
+         SELECT outbox.create_consumer('p'); \
+         SELECT outbox.create_consumer('h')",
+    )
+    .unwrap();
+    // No tick yet: its batch is from its cursor to a snapshot of its own.
+    c.batch_execute("SELECT outbox.alter_consumer('p', '{\"read_by\": \"ticks\"}')")
+        .unwrap();
+    let ns = |c: &mut Client, max: i32| -> Vec<(String, i32)> {
+        c.query(
+            "SELECT position, (payload->>'n')::int FROM outbox.read('p', $1)",
+            &[&max],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+    };
+    let first = ns(&mut c, 10);
+    assert_eq!(first.iter().map(|(_, n)| *n).collect::<Vec<_>>(), vec![1]);
+    // A transaction that commits now is in no batch until a tick sees it.
+    c.batch_execute("SELECT outbox.raise('t', '{\"n\": 2}')")
+        .unwrap();
+    let pos: String = c
+        .query_one("SELECT position FROM outbox.read('h', 10) OFFSET 1", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(ns(&mut c, 10).len(), 1, "n 2 is in no batch yet");
+    assert_eq!(
+        sqlstate(&mut c, &format!("SELECT outbox.advance('p', '{pos}')")),
+        "22023",
+        "a position no tick has seen"
+    );
+    // A long transaction holds the horizon; ticks go on past it.
+    let mut long = db.connect();
+    long.batch_execute("BEGIN; SELECT outbox.raise('long', '{\"n\": 100}')")
+        .unwrap();
+    // (Each statement its own transaction: a tick sees only what committed before it.)
+    for sql in [
+        "SELECT outbox._tick()",
+        "SELECT outbox.raise('t', '{\"n\": 3}')",
+        "SELECT outbox._tick()",
+        "SELECT outbox.raise('t', '{\"n\": 4}')",
+        "SELECT outbox._tick()",
+    ] {
+        c.batch_execute(sql).unwrap();
+    }
+    let all = ns(&mut c, 10);
+    assert_eq!(
+        all.iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4]
+    );
+    // Pages cross batches; advancing into a later batch moves the consumer there.
+    assert_eq!(
+        ns(&mut c, 2).iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+    let advance = |c: &mut Client, to: &str| -> bool {
+        c.query_one("SELECT outbox.advance('p', $1)", &[&to])
+            .unwrap()
+            .get(0)
+    };
+    assert!(advance(&mut c, &all[2].0));
+    assert_eq!(
+        ns(&mut c, 10).iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        vec![4]
+    );
+    assert!(!advance(&mut c, &all[2].0), "not forward");
+    assert!(!advance(&mut c, &all[0].0), "a batch it has passed");
+    assert!(advance(&mut c, &all[3].0));
+    assert!(ns(&mut c, 10).is_empty());
+    let tick: i64 = c
+        .query_one("SELECT tick FROM outbox.consumers WHERE name = 'p'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(tick, newest_tick(&mut c));
+    // The one by the horizon is held behind the long transaction: n 1 and 2 only.
+    assert_eq!(
+        c.query("SELECT * FROM outbox.read('h', 10)", &[])
+            .unwrap()
+            .len(),
+        2
+    );
+    long.batch_execute("COMMIT").unwrap();
+    c.batch_execute("SELECT outbox._tick()").unwrap();
+    assert_eq!(
+        ns(&mut c, 10).iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        vec![100]
+    );
+
+    // A rewind starts a batch from the position at once: one batch to now, in transaction order
+    // (the long transaction began before n 3's).
+    c.batch_execute(&format!("SELECT outbox.rewind('p', '{}')", all[0].0))
+        .unwrap();
+    assert!(c
+        .query_one(
+            "SELECT tick IS NOT NULL FROM outbox.consumers WHERE name = 'p'",
+            &[]
+        )
+        .unwrap()
+        .get::<_, bool>(0));
+    assert_eq!(
+        ns(&mut c, 10).iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        vec![2, 100, 3, 4]
+    );
+
+    // Refusals: back to the horizon, a sink's option, a sink, REPEATABLE READ, another role's.
+    for (sql, state) in [
+        (
+            "SELECT outbox.alter_consumer('p', '{\"read_by\": \"horizon\"}')",
+            "0A000",
+        ),
+        (
+            "SELECT outbox.alter_consumer('h', '{\"synchronous_commit\": false}')",
+            "22023",
+        ),
+        (
+            "SELECT outbox.alter_consumer('h', '{\"read_by\": 1}')",
+            "22023",
+        ),
+        ("SELECT outbox.alter_consumer('h', '{}')", "22023"),
+        ("SELECT outbox.alter_consumer('h', NULL)", "22004"),
+        (
+            "SELECT outbox.alter_consumer('nope', '{\"read_by\": \"ticks\"}')",
+            "42704",
+        ),
+    ] {
+        assert_eq!(sqlstate(&mut c, sql), state, "{sql}");
+    }
+    assert_eq!(
+        sqlstate(
+            &mut c,
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; \
+             SELECT outbox.alter_consumer('h', '{\"read_by\": \"ticks\"}')"
+        ),
+        "25001"
+    );
+    c.batch_execute("ROLLBACK").unwrap();
+    c.batch_execute(
+        "CREATE FUNCTION keep(events outbox.event[]) RETURNS void LANGUAGE sql AS 'SELECT'; \
+         SELECT outbox.create_sink('s', 'keep(outbox.event[])')",
+    )
+    .unwrap();
+    assert_eq!(
+        sqlstate(
+            &mut c,
+            "SELECT outbox.alter_consumer('s', '{\"read_by\": \"ticks\"}')"
+        ),
+        "42809"
+    );
+    c.batch_execute(
+        "CREATE ROLE ticks_tenant LOGIN; GRANT USAGE ON SCHEMA outbox TO ticks_tenant; \
+         GRANT EXECUTE ON FUNCTION outbox.alter_consumer(text, jsonb) TO ticks_tenant",
+    )
+    .unwrap();
+    let mut tenant = db.connect_as("ticks_tenant");
+    assert_eq!(
+        sqlstate(
+            &mut tenant,
+            "SELECT outbox.alter_consumer('h', '{\"read_by\": \"ticks\"}')"
+        ),
+        "42501"
+    );
+    for internal in [
+        "outbox._flush_log()",
+        "outbox._batch_after('1:1:', '1:1:', '0', 0, 1)",
+    ] {
+        assert_eq!(
+            sqlstate(&mut tenant, &format!("SELECT {internal}")),
+            "42501",
+            "{internal}"
+        );
+    }
+    assert_eq!(
+        c.query_one("SELECT read_by FROM outbox.consumers WHERE name = 'h'", &[])
+            .unwrap()
+            .get::<_, String>(0),
+        "horizon"
+    );
+}
+
+#[test]
+fn read_flushes_the_ticks_whose_batches_it_hands_out() {
+    let db = test_db("ticks_pull_flush");
+    let mut c = db.connect();
+    c.batch_execute(
+        "UPDATE outbox.lineage SET raised = true; \
+         SELECT outbox.create_consumer('p', 'now'); \
+         SELECT outbox.alter_consumer('p', '{\"read_by\": \"ticks\"}'); \
+         SELECT outbox.raise('t', '{}')",
+    )
+    .unwrap();
+    // A tick committed as the workers commit theirs: without waiting for the flush, which the
+    // WAL writer would do within wal_writer_delay (10 s here).
+    let _delay = Setting::new(&db, "wal_writer_delay", "10s", "200ms");
+    c.batch_execute("BEGIN; SET LOCAL synchronous_commit = off; SELECT outbox._tick(); COMMIT")
+        .unwrap();
+    let tick_lsn: String = c
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .unwrap()
+        .get(0);
+    let flushed = |c: &mut Client| -> bool {
+        c.query_one(
+            "SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn",
+            &[&tick_lsn],
+        )
+        .unwrap()
+        .get(0)
+    };
+    let flushed_before = flushed(&mut c);
+    let events: i64 = c
+        .query_one("SELECT count(*) FROM outbox.read('p', 10)", &[])
+        .unwrap()
+        .get(0);
+    let flushed_after = flushed(&mut c);
+    assert_eq!(events, 1);
+    assert!(
+        flushed_after,
+        "the tick at {tick_lsn} is on disk once read() handed its batch out"
+    );
+    // Nothing else flushed it first (else this test would prove nothing).
+    assert!(
+        !flushed_before,
+        "the tick at {tick_lsn} was flushed before read()"
+    );
+}

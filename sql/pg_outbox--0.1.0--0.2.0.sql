@@ -1383,7 +1383,8 @@ DROP TRIGGER consumers_forward_only ON outbox.consumers;
 CREATE TRIGGER consumers_forward_only BEFORE UPDATE OF txid, seq, tick ON outbox.consumers
     FOR EACH ROW EXECUTE FUNCTION outbox._cursor_forward_only();
 
--- Pull consumers read by ticks too (outbox.alter_consumer, src/cursor.rs).
+-- Pull consumers and subscriptions read by ticks too (outbox.alter_consumer, src/cursor.rs;
+-- outbox.alter_subscription, src/subscription.rs).
 -- A consumer that reads by ticks (src/sql/ticks.sql) reads the rest of its batch, then the batches
 -- of the ticks after it, in order, each from the snapshot the one before ends at; advance() finds
 -- a position's batch the same way (src/cursor.rs). The ticks are flushed to disk before their
@@ -1456,6 +1457,14 @@ CREATE FUNCTION outbox."alter_consumer"(
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'alter_consumer_wrapper';
+
+CREATE FUNCTION outbox."alter_subscription"(
+	"name" TEXT,
+	"options" jsonb
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'alter_subscription_wrapper';
 
 -- outbox.status() (src/status.rs) for the role `who`: one row per consumer (pull consumers, sinks,
 -- subscriptions). Error texts come from tenants' code and may quote their data: `who` sees them
@@ -1826,7 +1835,7 @@ BEGIN
                     '_schedule_denied', '_ran_each', '_place_one_offs', '_check_expire_after', '_alter_queue',
                     'alter_queue', '_announce_jobs', '_schedule_status', '_announce', 'create_kafka_sink', 'alter_sink',
                     '_log_snapshot', '_lock_ticks', '_tick', '_tick_before', '_tick_snapshot', '_snapshot_log', '_tick_log', '_batch_window',
-                    '_batch_after', '_flush_log', 'alter_consumer']) LOOP
+                    '_batch_after', '_flush_log', 'alter_consumer', 'alter_subscription']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

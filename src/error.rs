@@ -246,6 +246,12 @@ impl Error {
             Error::ReadBy { what: "sink", .. } => Some(
                 "SQL sinks read by ticks (read_by \"ticks\") or by the read horizon (\"horizon\", the default); a sink that reads by ticks goes on doing so".into(),
             ),
+            Error::ReadBy {
+                what: "subscription",
+                ..
+            } => Some(
+                "a subscription reads by ticks (read_by \"ticks\") or by the read horizon (\"horizon\", the default); one that reads by ticks goes on doing so".into(),
+            ),
             Error::ReadBy { .. } => Some(
                 "a pull consumer reads by ticks (read_by \"ticks\") or by the read horizon (\"horizon\", the default); one that reads by ticks goes on doing so".into(),
             ),

@@ -1,4 +1,5 @@
-//! Subscriptions: `subscribe`, `unsubscribe`, `pause_subscription`, `resume_subscription`.
+//! Subscriptions: `subscribe`, `unsubscribe`, `pause_subscription`, `resume_subscription`,
+//! `alter_subscription`.
 //! Fan-out is in `dispatch::fanout`, running their jobs in `dispatch::jobs`.
 
 use crate::cursor::{insert_consumer, lock_cursors_shared, owned, start_cursor};
@@ -139,6 +140,40 @@ fn resume_subscription(name: Option<&str>) {
     let name = owned_subscription(name, "resume");
     set_paused(&name, false);
     crate::worker::wake_at_commit_always();
+}
+
+/// Changes options of a subscription its caller owns (see `pg_outbox_core::options`): `read_by`
+/// "ticks" makes its fan-out read the log batch by batch, no long transaction holding it back.
+/// The workers start its first batch at its next pass, under its lease (as for a sink: a
+/// cursor moved here could race a pass that reads by the read horizon); one that reads by ticks
+/// goes on doing so.
+#[pg_extern(volatile, parallel_unsafe)]
+fn alter_subscription(name: Option<&str>, options: Option<pgrx::JsonB>) {
+    let (name, found) = owned("subscription", name, "alter");
+    if found.kind != "subscription" {
+        Error::NotASubscription(name).report();
+    }
+    let options = required(options, "options").or_report();
+    let options = pg_outbox_core::options::parse_subscription(&options.0).or_report();
+    match (options.read_by_ticks, found.by_ticks) {
+        (Some(false), true) => Error::ReadBy {
+            what: "subscription",
+            name,
+            why: "reads by ticks and cannot go back to the read horizon",
+        }
+        .report(),
+        (Some(true), false) => {
+            as_owner(|| {
+                Spi::run_with_args(
+                    "UPDATE outbox.consumers SET read_by = 'ticks' WHERE name = $1",
+                    &[DatumWithOid::from(name.as_str())],
+                )
+            })
+            .unwrap_or_else(|e| panic!("altering subscription: {e}"));
+            crate::worker::wake_at_commit_always();
+        }
+        _ => {}
+    }
 }
 
 /// Drops a subscription and its cursor. The jobs of a handler subscription go with it (nothing

@@ -1,5 +1,6 @@
 //! The options `outbox.alter_sink(id, options jsonb)` changes on a sink after its creation, and
-//! `outbox.alter_consumer(consumer, options jsonb)` on a pull consumer.
+//! `outbox.alter_consumer(consumer, options jsonb)` on a pull consumer, and
+//! `outbox.alter_subscription(name, options jsonb)` on a subscription.
 //!
 //! A jsonb object rather than one argument per option, so that a new option never changes the
 //! function's signature (and with it every grant on it). Each key is checked here: an unknown key,
@@ -23,7 +24,7 @@ pub struct SinkOptions {
 /// The options a sink takes, for messages.
 pub const SINK_OPTIONS: &str = "synchronous_commit (boolean), read_by (\"ticks\" or \"horizon\")";
 
-/// The options a pull consumer takes, for messages.
+/// The options a pull consumer (and a subscription) takes, for messages.
 pub const CONSUMER_OPTIONS: &str = "read_by (\"ticks\" or \"horizon\")";
 
 /// Parses the options object of `alter_sink`.
@@ -35,6 +36,11 @@ pub fn parse(options: &Value) -> Result<SinkOptions, Invalid> {
 /// own cursor moves, so `synchronous_commit` is its session's).
 pub fn parse_consumer(options: &Value) -> Result<SinkOptions, Invalid> {
     parse_for("consumer", CONSUMER_OPTIONS, options)
+}
+
+/// Parses the options object of `alter_subscription`: `read_by` only.
+pub fn parse_subscription(options: &Value) -> Result<SinkOptions, Invalid> {
+    parse_for("subscription", CONSUMER_OPTIONS, options)
 }
 
 fn parse_for(what: &str, known: &str, options: &Value) -> Result<SinkOptions, Invalid> {

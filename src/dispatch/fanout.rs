@@ -13,7 +13,7 @@
 //! jobs, and the job runner (`dispatch::jobs`) retries them one by one as before.
 
 use super::PassResult;
-use crate::cursor;
+use crate::cursor::{self, At, Batch};
 use crate::plans;
 use crate::transaction::refresh_snapshot;
 use pg_outbox_core::filter::{EventContext, EventFields, Filter, Needs};
@@ -66,7 +66,15 @@ fn compiled(name: &str, source: &str) -> Result<Rc<Filter>, String> {
 
 struct Subscription {
     name: String,
+    /// Its cursor: within `batch` when it reads by ticks and has started to.
     cursor: Position,
+    batch: Option<Batch>,
+    /// It reads by ticks (`read_by`).
+    by_ticks: bool,
+    /// Batches it moved on to in this pass ([`MAX_BATCHES`]).
+    batches: usize,
+    /// It moved on to a batch since its cursor was last saved.
+    unsaved: bool,
     /// Topic patterns; None: every topic.
     topics: Option<Vec<Pattern>>,
     filter: Option<Result<Rc<Filter>, String>>,
@@ -92,6 +100,26 @@ struct Subscription {
 const PASS_FILTER_BUDGET: std::time::Duration = std::time::Duration::from_millis(500);
 
 impl Subscription {
+    /// The order subscriptions read in: those by the read horizon, then by batch, then by cursor.
+    /// Those of one window share its frame: the horizon, or one batch.
+    fn key(&self) -> (i64, &str, Position) {
+        match &self.batch {
+            None => (-1, "", self.cursor),
+            Some(b) => (b.tick, b.since.as_str(), self.cursor),
+        }
+    }
+
+    fn same_frame(&self, other: &Subscription) -> bool {
+        self.batch == other.batch
+    }
+
+    fn at(&self, pos: Position) -> At {
+        At {
+            pos,
+            batch: self.batch.clone(),
+        }
+    }
+
     fn wants_topic(&self, topic: &str) -> bool {
         self.topics
             .as_ref()
@@ -144,7 +172,8 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
     let mut subs = Vec::new();
     for r in plans::select(
         client,
-        "SELECT s.name, c.txid::text, c.seq, s.topics, s.filter, s.handler::pg_catalog.oid, s.queue, s.max_attempts \
+        "SELECT s.name, c.txid::text, c.seq, s.topics, s.filter, s.handler::pg_catalog.oid, s.queue, s.max_attempts, \
+                c.read_by OPERATOR(pg_catalog.=) 'ticks', c.tick, c.since::pg_catalog.text, c.upto::pg_catalog.text \
            FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name \
           WHERE s.name = ANY ($1) AND NOT s.paused ORDER BY s.name",
         None,
@@ -165,8 +194,16 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
             .get::<String>(5)
             .unwrap()
             .map(|source| compiled(&name, &source));
+        let batch = match (r.get::<i64>(10).unwrap(), r.get(11).unwrap(), r.get(12).unwrap()) {
+            (Some(tick), Some(since), Some(upto)) => Some(Batch { tick, since, upto }),
+            _ => None,
+        };
         subs.push(Subscription {
             cursor: Position::new(txid.parse().expect("xid8"), r.get(3).unwrap().expect("seq")),
+            batch,
+            by_ticks: r.get(9).unwrap().expect("read_by is NOT NULL"),
+            batches: 0,
+            unsaved: false,
             topics,
             filter,
             handler: r.get(6).unwrap(),
@@ -198,6 +235,17 @@ const WINDOW_SQL: &str = "\
            CASE WHEN $4 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END, \
            'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
       FROM outbox._read_log($1::pg_catalog.xid8, $2, $3) r \
+     ORDER BY r.txid, r.seq";
+
+/// [`WINDOW_SQL`] for subscriptions that read by ticks: within their batch, from the snapshot $5
+/// to the snapshot $6 (outbox._snapshot_log, the same columns).
+const BATCH_WINDOW_SQL: &str = "\
+    SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at, \
+           CASE WHEN $4 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END, \
+           'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
+      FROM outbox._snapshot_log($5::pg_catalog.text::pg_catalog.pg_snapshot, \
+                                $6::pg_catalog.text::pg_catalog.pg_snapshot, \
+                                $1::pg_catalog.xid8, $2, $3) r \
      ORDER BY r.txid, r.seq";
 
 /// The columns of `WINDOW_SQL`, as `Row` holds them.
@@ -382,8 +430,18 @@ pub fn pass(names: &[&str]) -> PassResult {
                 PassResult::Skipped
             };
         }
-        // By cursor (stable: by name within one cursor).
-        subs.sort_by_key(|s| s.cursor);
+        // A subscription that reads by ticks and is not in a batch yet (new, or rewound) starts
+        // one when a tick allows (as a sink does, dispatch::first_batch), saved at once.
+        for sub in subs.iter_mut().filter(|s| s.by_ticks && s.batch.is_none()) {
+            if let Some(at) = super::first_batch(client, &At::horizon(sub.cursor))
+                .unwrap_or_else(|e| panic!("subscription \"{}\": {e}", sub.name))
+            {
+                cursor::save_at(&sub.name, &at);
+                sub.batch = at.batch;
+            }
+        }
+        // By frame and cursor (stable: by name within one cursor).
+        subs.sort_by(|a, b| a.key().cmp(&b.key()));
         let (mut matched, mut full) = (0usize, false);
         let mut any = false;
         let mut budget = InlineBudget {
@@ -391,10 +449,19 @@ pub fn pass(names: &[&str]) -> PassResult {
             time: INLINE_BUDGET,
             inserts: PLAIN_INSERTS,
         };
+        // Those done with this pass; saved at the end if they moved on to a batch unsaved.
+        let mut finished: Vec<Subscription> = Vec::new();
         while !subs.is_empty() {
-            // Nothing readable after the lowest cursor: nothing after the others either.
             let Some((m, f, group)) = fan_out(client, &mut subs, &mut budget) else {
-                break;
+                // Nothing readable after the lowest cursor of the first frame: nothing after the
+                // others of that frame either. Those in a batch go on to the next one.
+                let frame = subs.iter().take_while(|s| s.same_frame(&subs[0])).count();
+                for sub in subs.drain(..frame).collect::<Vec<_>>() {
+                    let (moved, more) = next_batch(client, sub, &mut subs, &mut finished);
+                    any |= moved;
+                    full |= more;
+                }
+                continue;
             };
             any = true;
             matched += m;
@@ -405,12 +472,18 @@ pub fn pass(names: &[&str]) -> PassResult {
             for sub in group {
                 if f && behind_others && sub.windows < CATCH_UP_WINDOWS && sub.stopped_at.is_none()
                 {
-                    let at = subs.partition_point(|s| s.cursor <= sub.cursor);
-                    subs.insert(at, sub);
+                    insert_by_key(&mut subs, sub);
+                } else if !f && sub.batch.is_some() && sub.stopped_at.is_none() {
+                    // At the end of its batch: on to the next, in this pass.
+                    full |= next_batch(client, sub, &mut subs, &mut finished).1;
                 } else {
                     full |= f;
+                    finished.push(sub);
                 }
             }
+        }
+        for sub in finished.iter().filter(|s| s.unsaved) {
+            cursor::save_at(&sub.name, &sub.at(sub.cursor));
         }
         if !any {
             return if contended {
@@ -426,8 +499,45 @@ pub fn pass(names: &[&str]) -> PassResult {
     })
 }
 
-/// Reads one window after the lowest cursor of `waiting` (sorted by cursor) and fans it out to
-/// the subscriptions whose cursors fall inside it, taking them out of `waiting`: evaluates each
+/// Batches one subscription may move through in one pass: a backlog of many small batches goes in
+/// one pass (a few of them), not a batch a pass.
+const MAX_BATCHES: usize = 64;
+
+/// Puts `sub` in the order `subs` reads in.
+fn insert_by_key(subs: &mut Vec<Subscription>, sub: Subscription) {
+    let at = subs.partition_point(|s| s.key() <= sub.key());
+    subs.insert(at, sub);
+}
+
+/// Moves `sub`, at the end of its batch, on to the next batch if a tick after its own is taken
+/// and it may move on in this pass (back into `subs`); else it is done with this pass
+/// (`finished`). Returns whether it moved, and whether it has more to read than this pass reads.
+fn next_batch(
+    client: &SpiClient<'_>,
+    mut sub: Subscription,
+    subs: &mut Vec<Subscription>,
+    finished: &mut Vec<Subscription>,
+) -> (bool, bool) {
+    let next = super::next_batch(client, &sub.at(sub.cursor))
+        .unwrap_or_else(|e| panic!("subscription \"{}\": {e}", sub.name));
+    match next {
+        Some(at) if sub.batches < MAX_BATCHES => {
+            sub.cursor = at.pos;
+            sub.batch = at.batch;
+            sub.batches += 1;
+            sub.unsaved = true;
+            insert_by_key(subs, sub);
+            (true, false)
+        }
+        more => {
+            finished.push(sub);
+            (false, more.is_some())
+        }
+    }
+}
+
+/// Reads one window after the lowest cursor of `waiting` (sorted by [`Subscription::key`]) and
+/// fans it out to the subscriptions of its frame whose cursors fall inside it, taking them out of `waiting`: evaluates each
 /// event past a subscription's cursor, writes the jobs, moves the cursors, counts. None when there
 /// is nothing to read.
 fn fan_out(
@@ -445,7 +555,13 @@ fn fan_out(
         window_for(waiting.len())
     };
     let window = NEXT_LIMIT.get().map_or(window, |limit| limit.min(window));
-    rows_of_window(client, waiting[0].cursor, window, &read);
+    rows_of_window(
+        client,
+        waiting[0].cursor,
+        waiting[0].batch.as_ref(),
+        window,
+        &read,
+    );
     let (rows, table) = deformed_rows();
     // The matches as outbox.event datums, and the arrays made of them: freed with the window.
     let window_cx = PgMemoryContexts::new("pg_outbox fan-out window");
@@ -473,7 +589,10 @@ fn fan_out(
         None
     });
     let last = rows.get(end.checked_sub(1)?)?.position();
-    let inside = waiting.iter().take_while(|s| s.cursor < last).count();
+    let inside = waiting
+        .iter()
+        .take_while(|s| s.same_frame(&waiting[0]) && s.cursor < last)
+        .count();
     let mut group: Vec<Subscription> = waiting.drain(..inside).collect();
     let reads = Reads::of(&group);
     let mut tupdesc: Option<pg_sys::TupleDesc> = None;
@@ -591,16 +710,12 @@ fn fan_out(
         write_jobs(client, &args, budget);
     }
     let mut stopped = false;
-    for sub in group.iter() {
-        match &sub.stopped_at {
-            Some(at) => {
-                stopped = true;
-                cursor::save(&sub.name, *at);
-            }
-            None => {
-                cursor::save(&sub.name, last);
-            }
+    for sub in group.iter_mut() {
+        if sub.stopped_at.is_some() {
+            stopped = true;
         }
+        cursor::save_at(&sub.name, &sub.at(sub.stopped_at.unwrap_or(last)));
+        sub.unsaved = false;
         if let Some(e) = &sub.verdicts.last_error {
             pgrx::warning!(
                 "pg_outbox: the filter of subscription \"{}\" failed on {} event(s), counted as false; last: {e}",
@@ -675,21 +790,30 @@ fn write_jobs(client: &mut SpiClient<'_>, args: &[DatumWithOid<'_>], budget: &mu
     plans::update(client, INSERT_SKIPPING_WAITING_SQL, None, args).expect("writing jobs");
 }
 
-/// Runs WINDOW_SQL after `cursor`, with the text columns `reads` asks for; its rows are then
-/// SPI's last result (`deformed_rows`).
-fn rows_of_window(client: &mut SpiClient<'_>, cursor: Position, window: usize, reads: &Reads) {
-    plans::select(
-        client,
-        WINDOW_SQL,
-        None,
-        &[
-            DatumWithOid::from(cursor.txid.to_string()),
-            DatumWithOid::from(cursor.seq),
-            DatumWithOid::from(window as i32),
-            DatumWithOid::from(reads.uses("raised_at")),
-        ],
-    )
-    .expect("reading a fan-out window");
+/// Runs WINDOW_SQL after `cursor` (BATCH_WINDOW_SQL within `batch`), with the text columns
+/// `reads` asks for; its rows are then SPI's last result (`deformed_rows`).
+fn rows_of_window(
+    client: &mut SpiClient<'_>,
+    cursor: Position,
+    batch: Option<&Batch>,
+    window: usize,
+    reads: &Reads,
+) {
+    let mut args = vec![
+        DatumWithOid::from(cursor.txid.to_string()),
+        DatumWithOid::from(cursor.seq),
+        DatumWithOid::from(window as i32),
+        DatumWithOid::from(reads.uses("raised_at")),
+    ];
+    let sql = match batch {
+        None => WINDOW_SQL,
+        Some(b) => {
+            args.push(DatumWithOid::from(b.since.as_str()));
+            args.push(DatumWithOid::from(b.upto.as_str()));
+            BATCH_WINDOW_SQL
+        }
+    };
+    plans::select(client, sql, None, &args).expect("reading a fan-out window");
 }
 
 /// What the filters of a window read of each event: each filter's share (filters that read the

@@ -546,7 +546,7 @@ const BATCH_WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.p
 
 /// The start of the batch after `at`'s, once a tick after its tick is taken: that batch starts
 /// from the snapshot `at`'s ended at. None for a read-horizon cursor.
-fn next_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::Error> {
+pub(crate) fn next_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::Error> {
     let Some(batch) = &at.batch else {
         return Ok(None);
     };
@@ -578,7 +578,7 @@ fn next_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::
 /// transaction before the position's, and the position's own unless none of its events was read
 /// (a position's transaction that this tick saw running would be in the next batch, whole).
 /// None until then: it reads by the horizon meanwhile.
-fn first_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::Error> {
+pub(crate) fn first_batch(client: &SpiClient<'_>, at: &At) -> Result<Option<At>, pgrx::spi::Error> {
     let table = plans::select(
         client,
         "SELECT t.tick, t.snapshot::text FROM outbox.ticks t \

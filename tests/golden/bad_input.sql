@@ -575,6 +575,22 @@ SELECT outbox.alter_consumer('c1', jsonb_build_object(repeat('k', 1000), 1));
 -- accepted: the read horizon, as it was
 SELECT outbox.alter_consumer('c1', '{"read_by": "horizon"}');
 
+-- ============================================================================ alter_subscription
+SELECT outbox.alter_subscription(NULL, '{"read_by": "ticks"}');
+SELECT outbox.alter_subscription('', '{"read_by": "ticks"}');
+SELECT outbox.alter_subscription('x''; DROP TABLE outbox.events; --', '{"read_by": "ticks"}');
+SELECT outbox.alter_subscription('nope', '{"read_by": "ticks"}');
+SELECT outbox.alter_subscription('c1', '{"read_by": "ticks"}');
+SELECT outbox.alter_subscription('s1', '{"read_by": "ticks"}');
+SELECT outbox.alter_subscription('sub1', NULL);
+SELECT outbox.alter_subscription('sub1', '{}');
+SELECT outbox.alter_subscription('sub1', '"read_by"');
+SELECT outbox.alter_subscription('sub1', '{"synchronous_commit": false}');
+SELECT outbox.alter_subscription('sub1', '{"read_by": "TICKS"}');
+SELECT outbox.alter_subscription('sub1', '{"read_by": 1}');
+-- accepted: the read horizon, as it was
+SELECT outbox.alter_subscription('sub1', '{"read_by": "horizon"}');
+
 -- ======================================================================= replay(sink, position)
 SELECT outbox.replay(NULL, '1:1');
 SELECT outbox.replay('s1', NULL);
@@ -1043,6 +1059,7 @@ GRANT USAGE ON SCHEMA outbox TO outbox_bad_input;
 GRANT EXECUTE ON FUNCTION outbox.advance(text, text), outbox.rewind(text, text), outbox.drop_consumer(text),
       outbox.create_sink(text, regprocedure, text[], integer, text), outbox.pause_sink(text), outbox.drop_sink(text),
       outbox.alter_sink(text, jsonb), outbox.alter_consumer(text, jsonb),
+      outbox.alter_subscription(text, jsonb),
       outbox.replay(text), outbox.subscribe(text, text[], regprocedure, text, text, integer, text),
       outbox.unsubscribe(text), outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text),
       outbox.unschedule(text), outbox.claim(text, integer, interval), outbox.complete_many(bigint[]),
@@ -1064,6 +1081,7 @@ SELECT outbox.advance('c1', '1:1');
 SELECT outbox.rewind('c1', '1:1');
 SELECT outbox.drop_consumer('c1');
 SELECT outbox.alter_consumer('c1', '{"read_by": "ticks"}');
+SELECT outbox.alter_subscription('sub1', '{"read_by": "ticks"}');
 SELECT outbox.pause_sink('s1');
 SELECT outbox.alter_sink('s1', '{"synchronous_commit": false}');
 SELECT outbox.drop_sink('h1');

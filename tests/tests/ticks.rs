@@ -1534,3 +1534,260 @@ fn read_flushes_the_ticks_whose_batches_it_hands_out() {
         "the tick at {tick_lsn} was flushed before read()"
     );
 }
+
+#[test]
+fn subscriptions_that_read_by_ticks_queue_every_event_once_while_a_long_transaction_is_open() {
+    let db = worker_db("ticks_subs");
+    let mut c = db.connect();
+    // Two subscriptions by ticks (one filtered, one turned to ticks once events wait), one by the
+    // read horizon; jobs for external workers, in the order fan-out wrote them (job ids).
+    c.batch_execute(
+        "UPDATE outbox.lineage SET raised = true; \
+         SELECT outbox.subscribe('all', '{short,long}', queue => 'q_all', start_at => 'now'); \
+         SELECT outbox.alter_subscription('all', '{\"read_by\": \"ticks\"}'); \
+         SELECT outbox.subscribe('even', '{short,long}', queue => 'q_even', start_at => 'now', \
+                                 filter => 'int(payload.w) % 2 == 0'); \
+         SELECT outbox.subscribe('old', '{short,long}', queue => 'q_old', start_at => 'now')",
+    )
+    .unwrap();
+    const LONG: i32 = 99;
+    let mut long = db.connect();
+    long.batch_execute("BEGIN; SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 0}')")
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (writers, committed, _) = spawn_writers(&db, 8, 0x2F1A_0C3B_55D7_91E3, 4000, 5, &stop);
+    std::thread::sleep(Duration::from_millis(1500));
+    c.batch_execute("SELECT outbox.alter_subscription('even', '{\"read_by\": \"ticks\"}')")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, Ordering::SeqCst);
+    for w in writers {
+        w.join().unwrap();
+    }
+    let committed = committed.lock().unwrap().clone();
+    let short = |even: bool| -> i64 {
+        committed
+            .iter()
+            .filter(|((w, _), _)| !even || w % 2 == 0)
+            .map(|(_, (_, _, e))| *e as i64)
+            .sum()
+    };
+    let jobs = |c: &mut Client, sub: &str| -> Vec<(String, i32, i32, i32)> {
+        c.query(
+            "SELECT payload->>'position', (payload->'payload'->>'w')::int, \
+                    (payload->'payload'->>'n')::int, (payload->'payload'->>'j')::int \
+               FROM outbox.jobs WHERE subscription = $1 ORDER BY id",
+            &[&sub],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+    };
+    // Every short event is queued while the long transaction is still open.
+    for (sub, even) in [("all", false), ("even", true)] {
+        pg_outbox_tests::eventually(
+            &format!("{sub}: the short events queued while the long one is open"),
+            Duration::from_secs(30),
+            || (jobs(&mut c, sub).len() as i64 == short(even)).then_some(()),
+        );
+    }
+    let status = |c: &mut Client, name: &str| -> (String, i64) {
+        c.query_one(
+            "SELECT state, events_behind FROM outbox.status() WHERE name = $1",
+            &[&name],
+        )
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap()
+    };
+    assert_eq!(status(&mut c, "all"), ("idle".to_string(), 0));
+    assert_eq!(status(&mut c, "old").0, "held by horizon");
+    long.batch_execute("SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 1}'); COMMIT")
+        .unwrap();
+    for (sub, total) in [
+        ("all", short(false) + 2),
+        ("even", short(true)),
+        ("old", short(false) + 2),
+    ] {
+        pg_outbox_tests::eventually(
+            &format!("{sub}: every event queued"),
+            Duration::from_secs(30),
+            || (jobs(&mut c, sub).len() as i64 == total).then_some(()),
+        );
+    }
+    // Once each, nothing rolled back, each transaction's events together and in raise order;
+    // by ticks, the long one last, and none committed before another began queued after it.
+    for sub in ["all", "even", "old"] {
+        let queued = jobs(&mut c, sub);
+        let mut seen = HashSet::new();
+        let mut first_of: HashMap<(i32, i32), usize> = HashMap::new();
+        for (i, (pos, w, k, j)) in queued.iter().enumerate() {
+            assert!(
+                seen.insert((*w, *k, *j)),
+                "{sub}: ({w}, {k}, {j}) at {pos} twice"
+            );
+            if *w != LONG {
+                let (_, _, events) = committed
+                    .get(&(*w, *k))
+                    .unwrap_or_else(|| panic!("{sub}: ({w}, {k}) was rolled back, yet queued"));
+                assert!(*j < *events);
+                assert!(
+                    sub != "even" || w % 2 == 0,
+                    "{sub}: ({w}, {k}) does not match"
+                );
+            }
+            let at = *first_of.entry((*w, *k)).or_insert(i);
+            assert_eq!(
+                i - at,
+                *j as usize,
+                "{sub}: ({w}, {k}) is not together and in order"
+            );
+        }
+        if sub == "old" {
+            continue;
+        }
+        if sub == "all" {
+            assert_eq!(
+                first_of[&(LONG, 0)],
+                queued.len() - 2,
+                "{sub}: the long one last"
+            );
+        }
+        let mut by_begin: Vec<((i32, i32), Instant)> = committed
+            .iter()
+            .filter(|(k, _)| first_of.contains_key(k))
+            .map(|(k, (b, _, _))| (*k, *b))
+            .collect();
+        by_begin.sort_by_key(|(_, b)| *b);
+        for (a, (_, a_done, _)) in committed.iter().filter(|(k, _)| first_of.contains_key(k)) {
+            let later = by_begin.partition_point(|(_, b)| b <= a_done);
+            for (b, _) in &by_begin[later..] {
+                assert!(
+                    first_of[a] < first_of[b],
+                    "{sub}: {a:?} committed before {b:?} began, yet was queued after it"
+                );
+            }
+        }
+    }
+    let read_by: Vec<(String, String, bool)> = c
+        .query(
+            "SELECT name, read_by, tick IS NOT NULL FROM outbox.consumers ORDER BY name",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        read_by,
+        [
+            ("all".to_string(), "ticks".to_string(), true),
+            ("even".to_string(), "ticks".to_string(), true),
+            ("old".to_string(), "horizon".to_string(), false)
+        ]
+    );
+    // Refusals: back to the horizon, a sink's option, not a subscription.
+    for (sql, state) in [
+        (
+            "SELECT outbox.alter_subscription('all', '{\"read_by\": \"horizon\"}')",
+            "0A000",
+        ),
+        (
+            "SELECT outbox.alter_subscription('old', '{\"synchronous_commit\": false}')",
+            "22023",
+        ),
+        ("SELECT outbox.alter_subscription('old', '{}')", "22023"),
+        (
+            "SELECT outbox.alter_subscription('nope', '{\"read_by\": \"ticks\"}')",
+            "42704",
+        ),
+    ] {
+        assert_eq!(sqlstate(&mut c, sql), state, "{sql}");
+    }
+}
+
+#[test]
+fn a_subscription_by_ticks_goes_through_a_backlog_of_many_batches_at_once_beside_others() {
+    let db = worker_db("ticks_subs_backlog");
+    let mut c = db.connect();
+    // No poll to catch up by: commits wake the workers, and they go on while there is work.
+    let _poll = Setting::new(&db, "pg_outbox.poll_interval", "30s", "1s");
+    c.batch_execute(
+        "UPDATE outbox.lineage SET raised = true; \
+         SELECT outbox.subscribe('x', NULL, queue => 'qx', start_at => 'now'); \
+         SELECT outbox.subscribe('y', NULL, queue => 'qy', start_at => 'now'); \
+         SELECT outbox.subscribe('h', NULL, queue => 'qh', start_at => 'now'); \
+         SELECT outbox.alter_subscription('x', '{\"read_by\": \"ticks\"}'); \
+         SELECT outbox.alter_subscription('y', '{\"read_by\": \"ticks\"}')",
+    )
+    .unwrap();
+    let queued = |c: &mut Client, sub: &str| -> Vec<String> {
+        c.query(
+            "SELECT payload->>'topic' FROM outbox.jobs WHERE subscription = $1 ORDER BY id",
+            &[&sub],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+    };
+    raise_one(&mut c, "t.0");
+    pg_outbox_tests::eventually(
+        "the first event, everywhere",
+        Duration::from_secs(10),
+        || {
+            ["x", "y", "h"]
+                .iter()
+                .all(|s| queued(&mut c, s).len() == 1)
+                .then_some(())
+        },
+    );
+    // x waits paused while 20 transactions commit, a tick each; y and h go on.
+    c.batch_execute("SELECT outbox.pause_subscription('x')")
+        .unwrap();
+    let mut want = vec!["t.0".to_string()];
+    for i in 1..=20 {
+        let topic = format!("t.{i}");
+        raise_one(&mut c, &topic);
+        c.batch_execute("SELECT outbox._tick()").unwrap();
+        want.push(topic);
+    }
+    pg_outbox_tests::eventually("y and h up to date", Duration::from_secs(10), || {
+        ["y", "h"]
+            .iter()
+            .all(|s| queued(&mut c, s).len() == want.len())
+            .then_some(())
+    });
+    c.batch_execute("SELECT outbox.resume_subscription('x')")
+        .unwrap();
+    let all = pg_outbox_tests::eventually(
+        "x's backlog of 20 batches queued",
+        Duration::from_secs(10),
+        || {
+            let got = queued(&mut c, "x");
+            (got.len() >= want.len()).then_some(got)
+        },
+    );
+    assert_eq!(all, want, "once each, in the order they became visible");
+    for sub in ["y", "h"] {
+        assert_eq!(queued(&mut c, sub), want, "{sub}");
+    }
+    // Then all three read on, x and y from one batch, in one window.
+    raise_one(&mut c, "t.21");
+    want.push("t.21".into());
+    pg_outbox_tests::eventually("one more, everywhere", Duration::from_secs(10), || {
+        ["x", "y", "h"]
+            .iter()
+            .all(|s| queued(&mut c, s) == want)
+            .then_some(())
+    });
+    let same: bool = c
+        .query_one(
+            "SELECT count(DISTINCT (tick, since::text, upto::text, txid, seq)) = 1 \
+               FROM outbox.consumers WHERE name IN ('x', 'y')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(same, "x and y end at one cursor, in one batch");
+}

@@ -400,6 +400,8 @@ fn alter_consumer(consumer: Option<&str>, options: Option<pgrx::JsonB>) {
                 )
             })
             .unwrap_or_else(|e| panic!("altering consumer: {e}"));
+            // The workers tick once it reads by ticks (crate::ticks::wanted): soon, not at a poll.
+            crate::worker::wake_at_commit_always();
         }
     }
 }

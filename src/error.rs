@@ -244,7 +244,7 @@ impl Error {
                 "pg_outbox.max_event_size (superuser) sets the limit; store large documents in a table and put their key in the event".into(),
             ),
             Error::ReadBy { what: "sink", .. } => Some(
-                "SQL sinks read by ticks (read_by \"ticks\") or by the read horizon (\"horizon\", the default); a sink that reads by ticks goes on doing so".into(),
+                "a sink reads by ticks (read_by \"ticks\") or by the read horizon (\"horizon\", the default); one that reads by ticks goes on doing so".into(),
             ),
             Error::ReadBy {
                 what: "subscription",

@@ -330,6 +330,13 @@ fn snapshot_text() -> String {
         }
         let full = |xid: pg_sys::TransactionId| epoch + pgrx::xid::xid_to_64bit(xid);
         let mut running: Vec<u64> = (0..s.xcnt as usize).map(|i| full(*s.xip.add(i))).collect();
+        // A snapshot leaves its own transaction out of xip (it sees its own work): this one has not
+        // ended either, for anyone else. (A reader that starts a batch here, `cursor::start_batch`,
+        // in a transaction that raised events, must not count them read.)
+        let own = pg_sys::GetTopTransactionIdIfAny();
+        if own != pg_sys::InvalidTransactionId && pg_sys::TransactionIdPrecedes(own, s.xmax) {
+            running.push(full(own));
+        }
         // pg_snapshot's text lists them in order, once each.
         running.sort_unstable();
         running.dedup();

@@ -360,23 +360,21 @@ fn alter_sink(id: Option<&str>, options: Option<pgrx::JsonB>) {
     }
 }
 
-/// Sets how a sink reads the log (`read_by`): SQL sinks may read by ticks, and one that does goes
-/// on doing so (its cursor is a batch; a rewind puts it back at a position of the horizon's, from
-/// which it starts a batch again).
+/// Sets how a sink reads the log (`read_by`): a sink of any kind may read by ticks, and one that
+/// does goes on doing so (its cursor is a batch; a rewind puts it back at a position of the
+/// horizon's, from which it starts a batch again).
 fn read_by(id: &str, ticks: bool) {
-    let (kind, now) = as_owner(|| {
-        Spi::get_two_with_args::<String, String>(
-            "SELECT s.kind, c.read_by FROM outbox.sinks s JOIN outbox.consumers c ON c.name = s.id \
-              WHERE s.id = $1",
+    let now = as_owner(|| {
+        Spi::get_one_with_args::<String>(
+            "SELECT c.read_by FROM outbox.consumers c WHERE c.name = $1",
             &[DatumWithOid::from(id)],
         )
     })
-    .unwrap_or_else(|e| panic!("reading sink: {e}"));
-    let (kind, now) = (kind.unwrap_or_default(), now.unwrap_or_default());
-    let why = match (ticks, kind.as_str(), now.as_str()) {
-        (true, "sql", _) | (false, _, "horizon") => None,
-        (true, _, _) => Some("cannot read by ticks yet: only SQL sinks do"),
-        (false, _, _) => Some("reads by ticks and cannot go back to the read horizon"),
+    .unwrap_or_else(|e| panic!("reading sink: {e}"))
+    .unwrap_or_default();
+    let why = match (ticks, now.as_str()) {
+        (true, _) | (false, "horizon") => None,
+        (false, _) => Some("reads by ticks and cannot go back to the read horizon"),
     };
     if let Some(why) = why {
         Error::ReadBy {

@@ -83,6 +83,8 @@ pub fn prune() -> i64 {
                                WHERE t.tick OPERATOR(pg_catalog.<) (SELECT pg_catalog.max(n.tick) FROM outbox.ticks n) \
                                  AND NOT EXISTS (SELECT FROM outbox.consumers c \
                                                   WHERE c.tick OPERATOR(pg_catalog.<) t.tick) \
+                                 AND pg_catalog.pg_snapshot_xmax(t.snapshot) OPERATOR(pg_catalog.<=) \
+                                     pg_catalog.pg_snapshot_xmin(outbox._log_snapshot()::pg_catalog.pg_snapshot) \
                               RETURNING 1) \
                  SELECT pg_catalog.count(*) FROM gone",
                 Some(1),
@@ -116,7 +118,48 @@ fn flush_log() {
     // SAFETY: plain calls into the WAL machinery, as any backend that commits makes them.
     unsafe {
         if !pg_sys::RecoveryInProgress() {
-            pg_sys::XLogFlush(pg_sys::GetXLogInsertRecPtr());
+            pg_sys::XLogFlush(end_of_wal(
+                pg_sys::GetXLogInsertRecPtr(),
+                pg_sys::wal_segment_size as u64,
+            ));
         }
+    }
+}
+
+/// The end of the WAL inserted so far, from the insert position: where the next record would
+/// start, which is past the page header when the last record ended at a page's end. Flushing up
+/// to a position past a header not written yet fails ("xlog flush request ... is not
+/// satisfied"): back off to the page's start (the end of the record before it).
+fn end_of_wal(insert: u64, segment_size: u64) -> u64 {
+    // MAXALIGN(sizeof(XLogPageHeaderData)) and MAXALIGN(sizeof(XLogLongPageHeaderData)): a
+    // segment's first page has the long header.
+    let align = |n: usize| n.next_multiple_of(8) as u64;
+    let short = align(std::mem::size_of::<pg_sys::XLogPageHeaderData>());
+    let long = align(std::mem::size_of::<pg_sys::XLogLongPageHeaderData>());
+    if segment_size > 0 && insert % segment_size == long {
+        insert - long
+    } else if insert % pg_sys::XLOG_BLCKSZ as u64 == short {
+        insert - short
+    } else {
+        insert
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::end_of_wal;
+
+    #[test]
+    fn the_end_of_wal_is_before_a_page_header_not_written_yet() {
+        let segment = 16 * 1024 * 1024;
+        // A record ends mid-page: that is the end.
+        assert_eq!(
+            end_of_wal(segment + 8192 + 100, segment),
+            segment + 8192 + 100
+        );
+        // Ended at a page's end: the insert position is past the next page's short header (24).
+        assert_eq!(end_of_wal(segment + 8192 + 24, segment), segment + 8192);
+        // At a segment's start, past its long header (40).
+        assert_eq!(end_of_wal(2 * segment + 40, segment), 2 * segment);
     }
 }

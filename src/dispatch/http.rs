@@ -10,6 +10,7 @@
 //! message of the window is acknowledged: at least once.
 
 use super::{save_state, PassResult};
+use crate::cursor::{At, Batch};
 use crate::plans;
 use crate::settings;
 use crate::transaction::{in_transaction, Failure};
@@ -64,7 +65,10 @@ struct Sink {
     transient: u32,
     max_batch: u32,
     state: SinkState,
-    cursor: Position,
+    /// Where it is: by the read horizon, or within a batch when it reads by ticks.
+    cursor: At,
+    /// It reads by ticks (`read_by`).
+    by_ticks: bool,
     transport: Transport,
     timeout_ms: i32,
 }
@@ -85,9 +89,40 @@ impl Sink {
 struct Window {
     count: usize,
     last: Option<Position>,
+    /// The batch it was read in (a sink that reads by ticks; a window never spans batches).
+    batch: Option<Batch>,
+    /// It ended its batch short and a later tick is taken: the sink has more to read now.
+    more: bool,
     matching: usize,
     body: Option<String>,
     ids: Vec<String>,
+}
+
+impl Window {
+    fn empty(batch: Option<Batch>) -> Window {
+        Window {
+            count: 0,
+            last: None,
+            batch,
+            more: false,
+            matching: 0,
+            body: None,
+            ids: Vec::new(),
+        }
+    }
+
+    /// Where the sink is once this window is delivered.
+    fn end(&self) -> Option<At> {
+        self.last.map(|pos| At {
+            pos,
+            batch: self.batch.clone(),
+        })
+    }
+
+    /// More events may wait behind it for a sink whose windows are of `batch` events.
+    fn full(&self, batch: u32) -> bool {
+        self.count as u32 >= batch || self.more
+    }
 }
 
 enum Prepared {
@@ -98,21 +133,21 @@ enum Prepared {
     Ready(Box<(Sink, Window, Vec<Window>)>),
     /// A dead letter marked for replay: it goes first, alone.
     Replay(Box<(Sink, Position, Window)>),
-    /// The window (its event count and last position) could not be rendered, for this reason.
-    Unreadable(Box<(Sink, (usize, Option<Position>), String)>),
+    /// The window (its event count and where it ends) could not be rendered, for this reason.
+    Unreadable(Box<(Sink, (usize, Option<At>), String)>),
 }
 
 /// A window chained behind the windows of a Kafka sink in flight (`InFlight::chain_after`): it
 /// reads on from the last of them, under their lease, into their producer.
 pub struct Chain {
-    after: Position,
+    after: At,
     lease_key: i32,
     rewinds: i64,
     producer: std::sync::Arc<super::kafka::Producer>,
 }
 
 fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
-    let after = chain.map(|c| c.after);
+    let after = chain.map(|c| c.after.clone());
     // The lease goes back when no window flies, and stays with the windows in flight else.
     let unlock = |key: i32| {
         if chain.is_none() {
@@ -147,7 +182,8 @@ fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
             "SELECT s.batch_size, s.current_batch, s.attempts, c.txid::text, c.seq, \
                     h.url, h.headers::text, h.secret, coalesce(h.timeout_ms, k.timeout_ms), c.rewinds, \
                     s.transient, c.owner, k.brokers, k.kafka_topic, k.key, k.properties::text, \
-                    pg_catalog.current_database()::text, s.synchronous_commit, s.topic_regex \
+                    pg_catalog.current_database()::text, s.synchronous_commit, s.topic_regex, \
+                    c.read_by = 'ticks', c.tick, c.since::text, c.upto::text \
                FROM outbox.sinks s JOIN outbox.consumers c ON c.name = s.id \
                LEFT JOIN outbox.http_sinks h ON h.id = s.id \
                LEFT JOIN outbox.kafka_sinks k ON k.id = s.id \
@@ -234,7 +270,14 @@ fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
                 batch: r.get::<i32>(2)?.expect("current_batch").max(1) as u32,
                 attempts: r.get::<i32>(3)?.expect("attempts").max(0) as u32,
             },
-            cursor: Position::new(txid.parse().expect("xid8"), r.get(5)?.expect("seq")),
+            cursor: At {
+                pos: Position::new(txid.parse().expect("xid8"), r.get(5)?.expect("seq")),
+                batch: match (r.get::<i64>(21)?, r.get(22)?, r.get(23)?) {
+                    (Some(tick), Some(since), Some(upto)) => Some(Batch { tick, since, upto }),
+                    _ => None,
+                },
+            },
+            by_ticks: r.get(20)?.expect("read_by is NOT NULL"),
             transport,
             // Capped by the superuser's setting, whatever the sink asked for.
             timeout_ms: r
@@ -254,7 +297,15 @@ fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
                 return Ok(Prepared::Absent);
             }
             // It reads on from the last of the windows in flight.
-            sink.cursor = chain.after;
+            sink.cursor = chain.after.clone();
+        } else if sink.by_ticks && sink.cursor.batch.is_none() {
+            // Reads by ticks, its cursor still the read horizon's (new, or rewound): its first
+            // batch starts when a tick allows (as a SQL sink's, `dispatch::first_batch`).
+            if let Some(at) = super::first_batch(client, &sink.cursor)? {
+                if save_cursor(&sink, &at) {
+                    sink.cursor = at;
+                }
+            }
         }
         let replay = plans::select(
             client,
@@ -277,6 +328,8 @@ fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
             let window = Window {
                 count: 1,
                 last: Some(position),
+                batch: None,
+                more: false,
                 matching: 1,
                 body: r.get(3)?,
                 ids: vec![r.get::<String>(4)?.expect("id")],
@@ -286,14 +339,25 @@ fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
         let max = sink.state.batch.min(sink.max_batch);
         // A window that cannot be rendered goes through the failure policy, as a refusal would.
         let kafka = sink.is_kafka();
-        match crate::transaction::in_subtransaction(|| read_window(client, &sink.topic_regex, sink.cursor, max, kafka)) {
+        // A sink by ticks at the end of its batch goes on to the next (its cursor saved there
+        // when nothing is read: no scan of the batches it passed again), within one window read.
+        if chain.is_none() && sink.cursor.batch.is_some() {
+            let start = sink.cursor.clone();
+            let at = window_start(client, &sink.cursor)?;
+            if at != start && !save_cursor(&sink, &at) {
+                unlock(lease_key);
+                return Ok(Prepared::Absent);
+            }
+            sink.cursor = at;
+        }
+        match crate::transaction::in_subtransaction(|| read_window(client, &sink.topic_regex, &sink.cursor, max, kafka)) {
             Ok(window) => {
                 let window = window?;
                 let more = more_windows(client, &sink, &window, flying)?;
                 Ok(Prepared::Ready(Box::new((sink, window, more))))
             }
             Err(failure) => {
-                let shape = super::window_shape(client, sink.cursor, max)?;
+                let shape = super::window_shape_at(client, &sink.cursor, max)?;
                 Ok(Prepared::Unreadable(Box::new((
                     sink,
                     shape,
@@ -305,17 +369,69 @@ fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
     .unwrap_or_else(|e: pgrx::spi::Error| panic!("preparing sink \"{id}\": {e}"))
 }
 
-/// An HTTP sink's window after `$1`/`$2`: its count, last position and matching count, the
-/// CloudEvents batch of the events the sink's topics match, and their ids.
-const HTTP_WINDOW: &str =
-    "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
-        count(*) FILTER (WHERE m.ok)::int8, \
-        (pg_catalog.jsonb_agg(outbox._cloudevent(e.e) ORDER BY r.n) FILTER (WHERE m.ok))::text, \
-        pg_catalog.array_agg(r.id::text ORDER BY r.n) FILTER (WHERE m.ok) \
-   FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $5) r \
-  CROSS JOIN LATERAL (SELECT $4::text IS NULL OR r.topic ~ $4 AS ok) m \
-  CROSS JOIN LATERAL (SELECT ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, \
-                                 r.headers, r.raised_at)::outbox.event AS e) e";
+/// An HTTP sink's window after `$1`/`$2` (read from `$source`): its count, last position and
+/// matching count, the CloudEvents batch of the events the sink's topics match, and their ids.
+macro_rules! http_window {
+    ($source:literal) => {
+        concat!(
+            "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
+                count(*) FILTER (WHERE m.ok)::int8, \
+                (pg_catalog.jsonb_agg(outbox._cloudevent(e.e) ORDER BY r.n) FILTER (WHERE m.ok))::text, \
+                pg_catalog.array_agg(r.id::text ORDER BY r.n) FILTER (WHERE m.ok) \
+           FROM ",
+            $source,
+            " r \
+          CROSS JOIN LATERAL (SELECT $4::text IS NULL OR r.topic ~ $4 AS ok) m \
+          CROSS JOIN LATERAL (SELECT ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, \
+                                         r.headers, r.raised_at)::outbox.event AS e) e"
+        )
+    };
+}
+
+/// The read rule's window (`outbox._read_window`).
+const HTTP_WINDOW: &str = http_window!("outbox._read_window($1::pg_catalog.xid8, $2, $3, $5)");
+
+/// A sink by ticks' window, within its batch from snapshot `$6` to snapshot `$7`.
+const HTTP_BATCH_WINDOW: &str = http_window!(
+    "outbox._batch_window($6::pg_catalog.text::pg_catalog.pg_snapshot, \
+                          $7::pg_catalog.text::pg_catalog.pg_snapshot, $1::pg_catalog.xid8, $2, $3, $5)"
+);
+
+/// Where the next window of a sink by ticks starts: at its cursor while its batch has an event
+/// after it; past the end of its batch, at the beginning of the next batch that has one (at most
+/// 64 batches on), or of the last batch there is. A cursor of the read horizon's stays.
+fn window_start(client: &pgrx::spi::SpiClient<'_>, cursor: &At) -> Result<At, pgrx::spi::Error> {
+    let mut at = cursor.clone();
+    for _ in 0..64 {
+        let Some(batch) = &at.batch else {
+            return Ok(at);
+        };
+        let any = plans::select(
+            client,
+            "SELECT EXISTS (SELECT FROM outbox._snapshot_log($3::pg_catalog.text::pg_catalog.pg_snapshot, \
+                                                             $4::pg_catalog.text::pg_catalog.pg_snapshot, \
+                                                             $1::pg_catalog.xid8, $2, 1))",
+            Some(1),
+            &[
+                DatumWithOid::from(at.pos.txid.to_string()),
+                DatumWithOid::from(at.pos.seq),
+                DatumWithOid::from(batch.since.as_str()),
+                DatumWithOid::from(batch.upto.as_str()),
+            ],
+        )?
+        .first()
+        .get::<bool>(1)?
+        .unwrap_or(false);
+        if any {
+            return Ok(at);
+        }
+        match super::next_batch(client, &at)? {
+            Some(next) => at = next,
+            None => return Ok(at),
+        }
+    }
+    Ok(at)
+}
 
 /// A Kafka sink's windows, read in one statement: up to `windows` windows after `after`, each of
 /// `max` events at most, together holding at most `pg_outbox.max_batch_bytes` (the first event
@@ -327,7 +443,7 @@ const HTTP_WINDOW: &str =
 fn read_kafka_windows(
     client: &pgrx::spi::SpiClient<'_>,
     topic_regex: &Option<String>,
-    after: Position,
+    after: &At,
     max: u32,
     windows: usize,
 ) -> Result<Vec<Window>, pgrx::spi::Error> {
@@ -346,24 +462,42 @@ fn read_kafka_windows(
     // All the windows read at once hold at most what one may: no more text is made than for one
     // window (the byte cut is the read rule's, before any payload is turned into text).
     let max_bytes = settings::MAX_BATCH_BYTES.get() as i64;
-    let table = plans::select(
-        client,
-        "SELECT r.position, m.ok, r.id, r.topic, r.subject, r.tenant, \
-                CASE WHEN m.ok THEN r.headers::pg_catalog.text END, r.raised_at, \
-                CASE WHEN m.ok THEN r.payload::pg_catalog.text END, \
-                outbox._event_size(r.payload, r.headers) \
-           FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $5) r \
-          CROSS JOIN LATERAL (SELECT $4::pg_catalog.text IS NULL OR r.topic OPERATOR(pg_catalog.~) $4 AS ok) m \
-          ORDER BY r.n",
-        None,
-        &[
-            DatumWithOid::from(after.txid.to_string()),
-            DatumWithOid::from(after.seq),
-            DatumWithOid::from(limit as i32),
-            DatumWithOid::from(topic_regex.clone()),
-            DatumWithOid::from(max_bytes),
-        ],
-    )?;
+    /// The statement, reading from `$source`.
+    macro_rules! kafka_windows {
+        ($source:literal) => {
+            concat!(
+                "SELECT r.position, m.ok, r.id, r.topic, r.subject, r.tenant, \
+                        CASE WHEN m.ok THEN r.headers::pg_catalog.text END, r.raised_at, \
+                        CASE WHEN m.ok THEN r.payload::pg_catalog.text END, \
+                        outbox._event_size(r.payload, r.headers) \
+                   FROM ",
+                $source,
+                " r \
+                  CROSS JOIN LATERAL (SELECT $4::pg_catalog.text IS NULL OR r.topic OPERATOR(pg_catalog.~) $4 AS ok) m \
+                  ORDER BY r.n"
+            )
+        };
+    }
+    let mut args = vec![
+        DatumWithOid::from(after.pos.txid.to_string()),
+        DatumWithOid::from(after.pos.seq),
+        DatumWithOid::from(limit as i32),
+        DatumWithOid::from(topic_regex.clone()),
+        DatumWithOid::from(max_bytes),
+    ];
+    let sql = match &after.batch {
+        None => kafka_windows!("outbox._read_window($1::pg_catalog.xid8, $2, $3, $5)"),
+        Some(batch) => {
+            args.push(DatumWithOid::from(batch.since.as_str()));
+            args.push(DatumWithOid::from(batch.upto.as_str()));
+            kafka_windows!(
+                "outbox._batch_window($6::pg_catalog.text::pg_catalog.pg_snapshot, \
+                                      $7::pg_catalog.text::pg_catalog.pg_snapshot, \
+                                      $1::pg_catalog.xid8, $2, $3, $5)"
+            )
+        }
+    };
+    let table = plans::select(client, sql, None, &args)?;
     let mut rows = Vec::with_capacity(table.len());
     for row in table {
         let text: &str = row.get(1)?.expect("position");
@@ -399,13 +533,8 @@ fn read_kafka_windows(
     let mut out: Vec<Window> = Vec::with_capacity(cuts.len());
     let mut rows = rows.into_iter();
     for count in cuts {
-        let mut window = Window {
-            count,
-            last: None,
-            matching: 0,
-            body: None,
-            ids: Vec::new(),
-        };
+        let mut window = Window::empty(after.batch.clone());
+        window.count = count;
         let mut body = String::new();
         for row in rows.by_ref().take(count) {
             window.last = Some(row.position);
@@ -532,13 +661,13 @@ fn more_windows(
         .min(CHAIN_EVENTS.max(sink.max_batch) as usize / sink.max_batch.max(1) as usize)
         .saturating_sub(flying + 1);
     let Some(after) = first
-        .last
+        .end()
         .filter(|_| healthy && room > 0 && first.count as u32 >= sink.max_batch)
     else {
         return Ok(Vec::new());
     };
     let read = crate::transaction::in_subtransaction(|| {
-        read_kafka_windows(client, &sink.topic_regex, after, sink.max_batch, room)
+        read_kafka_windows(client, &sink.topic_regex, &after, sink.max_batch, room)
     });
     match read {
         Ok(windows) => windows,
@@ -549,43 +678,51 @@ fn more_windows(
 fn read_window(
     client: &pgrx::spi::SpiClient<'_>,
     topic_regex: &Option<String>,
-    after: Position,
+    after: &At,
     max: u32,
     kafka: bool,
 ) -> Result<Window, pgrx::spi::Error> {
-    if kafka {
-        return read_kafka_windows(client, topic_regex, after, max, 1).map(|w| {
-            w.into_iter().next().unwrap_or(Window {
-                count: 0,
-                last: None,
-                matching: 0,
-                body: None,
-                ids: Vec::new(),
-            })
-        });
-    }
-    let t = plans::select(
-        client,
-        HTTP_WINDOW,
-        Some(1),
-        &[
-            DatumWithOid::from(after.txid.to_string()),
-            DatumWithOid::from(after.seq),
+    let mut window = if kafka {
+        read_kafka_windows(client, topic_regex, after, max, 1)?
+            .into_iter()
+            .next()
+            .unwrap_or(Window::empty(after.batch.clone()))
+    } else {
+        let mut args = vec![
+            DatumWithOid::from(after.pos.txid.to_string()),
+            DatumWithOid::from(after.pos.seq),
             DatumWithOid::from(max as i32),
             DatumWithOid::from(topic_regex.clone()),
             DatumWithOid::from(settings::MAX_BATCH_BYTES.get() as i64),
-        ],
-    )?;
-    let r = t.first();
-    Ok(Window {
-        count: r.get::<i64>(1)?.unwrap_or(0) as usize,
-        last: r
-            .get::<String>(2)?
-            .map(|p| p.parse().expect("positions are well-formed")),
-        matching: r.get::<i64>(3)?.unwrap_or(0) as usize,
-        body: r.get(4)?,
-        ids: r.get::<Vec<String>>(5)?.unwrap_or_default(),
-    })
+        ];
+        let sql = match &after.batch {
+            None => HTTP_WINDOW,
+            Some(batch) => {
+                args.push(DatumWithOid::from(batch.since.as_str()));
+                args.push(DatumWithOid::from(batch.upto.as_str()));
+                HTTP_BATCH_WINDOW
+            }
+        };
+        let t = plans::select(client, sql, Some(1), &args)?;
+        let r = t.first();
+        Window {
+            count: r.get::<i64>(1)?.unwrap_or(0) as usize,
+            last: r
+                .get::<String>(2)?
+                .map(|p| p.parse().expect("positions are well-formed")),
+            batch: after.batch.clone(),
+            more: false,
+            matching: r.get::<i64>(3)?.unwrap_or(0) as usize,
+            body: r.get(4)?,
+            ids: r.get::<Vec<String>>(5)?.unwrap_or_default(),
+        }
+    };
+    // A window that ended its batch short: the sink has more to read now if a later tick is
+    // taken (the next pass starts on that batch at once).
+    if let Some(batch) = &after.batch {
+        window.more = (window.count as u32) < max && super::later_tick(client, batch.tick)?;
+    }
+    Ok(window)
 }
 
 /// Verifies every address a host resolves to before ureq may connect to it (no DNS rebinding
@@ -818,21 +955,27 @@ fn kind_of(e: &ureq::Error) -> String {
     }
 }
 
-/// Moves the cursor after a response, unless the sink was rewound, or dropped and created again,
-/// while the request was in flight.
-fn save_cursor(sink: &Sink, to: Position) -> bool {
+/// Moves the cursor after a response (batch and all, for a sink by ticks), unless the sink was
+/// rewound, or dropped and created again, while the request was in flight.
+fn save_cursor(sink: &Sink, to: &At) -> bool {
+    let batch = to.batch.as_ref();
     crate::owner::as_owner(|| {
         plans::applied(
-            "UPDATE outbox.consumers c SET txid = $2::xid8, seq = $3, moved_at = now() \
-              WHERE c.name = $1 AND (c.txid, c.seq) < ($2::xid8, $3) AND c.rewinds = $4 \
+            "UPDATE outbox.consumers c SET txid = $2::xid8, seq = $3, tick = $6, \
+                    since = $7::text::pg_snapshot, upto = $8::text::pg_snapshot, moved_at = now() \
+              WHERE c.name = $1 AND (coalesce(c.tick, 0), c.txid, c.seq) < (coalesce($6, 0), $2::xid8, $3) \
+                AND c.rewinds = $4 \
                 AND EXISTS (SELECT 1 FROM outbox.sinks s WHERE s.id = c.name AND s.lease_key = $5) \
              RETURNING true",
             &[
                 DatumWithOid::from(sink.id.as_str()),
-                DatumWithOid::from(to.txid.to_string()),
-                DatumWithOid::from(to.seq),
+                DatumWithOid::from(to.pos.txid.to_string()),
+                DatumWithOid::from(to.pos.seq),
                 DatumWithOid::from(sink.rewinds),
                 DatumWithOid::from(sink.lease_key),
+                DatumWithOid::from(batch.map(|b| b.tick)),
+                DatumWithOid::from(batch.map(|b| b.since.as_str())),
+                DatumWithOid::from(batch.map(|b| b.upto.as_str())),
             ],
         )
     })
@@ -1237,7 +1380,7 @@ enum Purpose {
     Neighbour {
         window: Window,
         state: SinkState,
-        lone: Position,
+        lone: At,
         reason: String,
     },
 }
@@ -1298,7 +1441,7 @@ impl InFlight {
             return None;
         }
         Some(Chain {
-            after: window.last?,
+            after: window.end()?,
             lease_key: sink.lease_key,
             rewinds: sink.rewinds,
             producer: producer.clone(),
@@ -1312,7 +1455,7 @@ impl InFlight {
     /// A window that came full: more events may wait behind it (another may chain at once).
     pub fn full(&self) -> bool {
         match &self.purpose {
-            Purpose::Window { window, .. } => window.count as u32 >= self.sink.state.batch,
+            Purpose::Window { window, .. } => window.full(self.sink.state.batch),
             Purpose::Neighbour { .. } => false,
         }
     }
@@ -1391,12 +1534,16 @@ pub fn start(
             let (sink, (count, last), reason) = *unreadable;
             let window = Window {
                 count,
-                last,
+                last: last.as_ref().map(|at| at.pos),
+                batch: last
+                    .as_ref()
+                    .map_or(sink.cursor.batch.clone(), |at| at.batch.clone()),
+                more: false,
                 matching: count,
                 body: None,
                 ids: Vec::new(),
             };
-            if last.is_none() {
+            if window.last.is_none() {
                 release(sink.lease_key)?;
                 return Ok(Started::Done(PassResult::Idle));
             }
@@ -1412,7 +1559,7 @@ pub fn start(
             };
         }
     };
-    let Some(last) = window.last else {
+    let Some(last) = window.end() else {
         // Nothing to send: a Kafka sink's producer gets ready meanwhile (see Agents::warm_up).
         if !chained {
             agents.warm_up(&sink);
@@ -1429,8 +1576,8 @@ pub fn start(
     if window.body.is_none() && !chained {
         // Nothing here for this sink's topics: move past the window. (A chained window flies
         // empty instead, so that the cursor passes it only after the windows ahead.)
-        let full = window.count as u32 >= sink.state.batch;
-        let saved = in_transaction(|| save_cursor(&sink, last));
+        let full = window.full(sink.state.batch);
+        let saved = in_transaction(|| save_cursor(&sink, &last));
         release(sink.lease_key)?;
         saved?;
         return Ok(Started::Done(PassResult::Delivered { events: 0, full }));
@@ -1452,7 +1599,7 @@ pub fn start(
         for window in more {
             let mut sink = sink.clone();
             sink.cursor = after;
-            after = window.last.expect("only windows with events are read on");
+            after = window.end().expect("only windows with events are read on");
             let handle = match window.body {
                 None => spawn_waking(|| Outcome::Delivered, false),
                 Some(_) => fly_kafka(&sink, &window, producer.clone(), false),
@@ -1564,20 +1711,18 @@ fn record_delivered(first: InFlight, also: Vec<InFlight>) -> (Result<PassResult,
     }
     let last = windows
         .last()
-        .and_then(|w| w.last)
+        .and_then(|w| w.end())
         .expect("a request is sent only for a non-empty window");
     let events: usize = windows.iter().map(|w| w.matching).sum();
-    let full = windows
-        .last()
-        .is_some_and(|w| w.count as u32 >= sink.state.batch);
+    let full = windows.last().is_some_and(|w| w.full(sink.state.batch));
     let result =
-        save_delivered(&sink, last, events).map(|()| PassResult::Delivered { events, full });
+        save_delivered(&sink, &last, events).map(|()| PassResult::Delivered { events, full });
     (result, sink.lease_key)
 }
 
 /// Records that the sink's events up to `last` were delivered (`events` of them matching): the
 /// cursor moves past them and the failure policy's state is reset, in one transaction.
-fn save_delivered(sink: &Sink, last: Position, events: usize) -> Result<(), Failure> {
+fn save_delivered(sink: &Sink, last: &At, events: usize) -> Result<(), Failure> {
     let policy = settings::policy(sink.max_batch);
     in_transaction(|| {
         if !sink.synchronous_commit {
@@ -1675,12 +1820,12 @@ fn record(
     agents: &mut Agents,
 ) -> Result<Step, Failure> {
     let last = window
-        .last
+        .end()
         .expect("a request is sent only for a non-empty window");
-    let full = window.count as u32 >= sink.state.batch;
+    let full = window.full(sink.state.batch);
     match outcome {
         Outcome::Delivered => {
-            save_delivered(sink, last, window.matching)?;
+            save_delivered(sink, &last, window.matching)?;
             Ok(Step::Done(PassResult::Delivered {
                 events: window.matching,
                 full,
@@ -1703,7 +1848,7 @@ fn record(
 fn failed(
     sink: &Sink,
     window: &Window,
-    last: Position,
+    last: At,
     reason: String,
     wait: Option<Duration>,
     agents: &mut Agents,
@@ -1751,7 +1896,7 @@ fn failed(
 fn neighbour_test(
     sink: &Sink,
     state: SinkState,
-    lone: Position,
+    lone: At,
     reason: String,
     agents: &mut Agents,
 ) -> Result<Step, Failure> {
@@ -1760,28 +1905,16 @@ fn neighbour_test(
         sink.label(),
         state.attempts
     );
-    // The neighbour: the first matching event within one batch after the lone one.
+    // The neighbour: the first matching event within one batch after the lone one (for a sink by
+    // ticks, in the next batch with one when the rest of the lone one's has none).
     let window = in_transaction(|| {
         Spi::connect(|c| {
-            // The window ends at the first event the sink's topics match.
-            let span = c.select(
-                "SELECT r.n FROM outbox._read_after($1::pg_catalog.xid8, $2, $3) WITH ORDINALITY \
-                      AS r(id, position, topic, subject, tenant, payload, headers, raised_at, n) \
-                   JOIN outbox.sinks s ON s.id = $4 \
-                  WHERE s.topic_regex IS NULL OR r.topic ~ s.topic_regex ORDER BY r.n LIMIT 1",
-                Some(1),
-                &[
-                    DatumWithOid::from(lone.txid.to_string()),
-                    DatumWithOid::from(lone.seq),
-                    DatumWithOid::from(sink.max_batch as i32),
-                    DatumWithOid::from(sink.id.as_str()),
-                ],
-            )?;
-            if span.is_empty() {
-                return Ok(None);
+            match super::first_match_span(c, &lone, sink.max_batch, &sink.topic_regex)? {
+                None => Ok(None),
+                Some((from, span)) => {
+                    read_window(c, &sink.topic_regex, &from, span, sink.is_kafka()).map(Some)
+                }
             }
-            let span = span.first().get_one::<i64>()?.unwrap_or(1) as u32;
-            read_window(c, &sink.topic_regex, lone, span, sink.is_kafka()).map(Some)
         })
     })?
     .map_err(|e| failure(&e.to_string()))?;
@@ -1807,14 +1940,14 @@ fn neighbour_test(
 fn after_neighbour(
     sink: &Sink,
     state: SinkState,
-    lone: Position,
+    lone: At,
     reason: String,
     neighbour: Option<(Window, Outcome)>,
 ) -> Result<PassResult, Failure> {
     let policy = settings::policy(sink.max_batch);
     match neighbour {
         Some((w, Outcome::Delivered)) => {
-            let neighbour = w.last.expect("the window has the neighbour");
+            let neighbour = w.end().expect("the window has the neighbour");
             let AfterNeighbour::DeadLetter(fresh) = policy.after_neighbour(state, Some(true))
             else {
                 unreachable!()
@@ -1829,14 +1962,14 @@ fn after_neighbour(
                           dead_at = pg_catalog.now(), replay_requested_at = NULL",
                     &[
                         DatumWithOid::from(sink.id.as_str()),
-                        DatumWithOid::from(lone.txid.to_string()),
-                        DatumWithOid::from(lone.seq),
+                        DatumWithOid::from(lone.pos.txid.to_string()),
+                        DatumWithOid::from(lone.pos.seq),
                         DatumWithOid::from(reason.as_str()),
                         DatumWithOid::from(state.attempts as i32),
                     ],
                 )
                 .expect("dead-lettering");
-                save_cursor(sink, neighbour);
+                save_cursor(sink, &neighbour);
                 Spi::connect_mut(|c| save_state(c, &sink.id, fresh, None, false, Some(&failure(&reason)), 1))
             })?
             .map_err(|e| failure(&e.to_string()))?;

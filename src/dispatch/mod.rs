@@ -522,7 +522,7 @@ fn read_window_in(
 }
 
 /// Whether a tick after `tick` is taken.
-fn later_tick(client: &SpiClient<'_>, tick: i64) -> Result<bool, pgrx::spi::Error> {
+pub(crate) fn later_tick(client: &SpiClient<'_>, tick: i64) -> Result<bool, pgrx::spi::Error> {
     Ok(plans::select(
         client,
         "SELECT EXISTS (SELECT FROM outbox.ticks t WHERE t.tick OPERATOR(pg_catalog.>) $1)",
@@ -635,7 +635,7 @@ pub(crate) fn window_shape(
 }
 
 /// [`window_shape`] for a sink that may read by ticks (the window [`read_window`] would read).
-fn window_shape_at(
+pub(crate) fn window_shape_at(
     client: &SpiClient<'_>,
     after: &At,
     max: u32,
@@ -1189,17 +1189,18 @@ fn neighbour_test(
 ) -> Result<PassResult, pgrx::spi::Error> {
     let policy = settings::policy(sink.max_batch);
     // The neighbour is the next event this sink would receive, within one batch of the lone one.
-    let (neighbour, outcome) = match first_match_span(client, &lone, sink)? {
-        Some((from, span)) => {
-            let window = read_window(client, &from, span, &sink.topic_regex)?;
-            let events = window.events.expect("the span ends at a matching event");
-            (
-                window.last,
-                Some(deliver(client, sink, events, true, before)),
-            )
-        }
-        None => (None, None),
-    };
+    let (neighbour, outcome) =
+        match first_match_span(client, &lone, sink.max_batch, &sink.topic_regex)? {
+            Some((from, span)) => {
+                let window = read_window(client, &from, span, &sink.topic_regex)?;
+                let events = window.events.expect("the span ends at a matching event");
+                (
+                    window.last,
+                    Some(deliver(client, sink, events, true, before)),
+                )
+            }
+            None => (None, None),
+        };
     match (neighbour, outcome) {
         (Some(neighbour), Some(Ok(()))) => {
             let AfterNeighbour::DeadLetter(fresh) = policy.after_neighbour(state, Some(true))
@@ -1277,18 +1278,19 @@ fn neighbour_test(
 /// topics match after `after` (the neighbour), at most `max_batch`. For a sink that reads by
 /// ticks the window is within one batch: past the end of `after`'s batch (when what is left of it
 /// is none of the sink's), it starts at the beginning of the next.
-fn first_match_span(
+pub(crate) fn first_match_span(
     client: &SpiClient<'_>,
     after: &At,
-    sink: &Sink,
+    max_batch: u32,
+    topic_regex: &Option<String>,
 ) -> Result<Option<(At, u32)>, pgrx::spi::Error> {
     let mut at = after.clone();
     for _ in 0..BATCHES_PER_WINDOW {
         let args = [
             DatumWithOid::from(at.pos.txid.to_string()),
             DatumWithOid::from(at.pos.seq),
-            DatumWithOid::from(sink.max_batch as i32),
-            DatumWithOid::from(sink.topic_regex.clone()),
+            DatumWithOid::from(max_batch as i32),
+            DatumWithOid::from(topic_regex.clone()),
         ];
         let Some(batch) = &at.batch else {
             let table = client.select(
@@ -1327,7 +1329,7 @@ fn first_match_span(
         }
         // As many events after `at` as a batch takes, none of them the sink's: no neighbour
         // within one batch. Fewer: the rest of this tick's batch is none of the sink's.
-        if row.get::<i64>(2)?.unwrap_or(0) >= sink.max_batch as i64 {
+        if row.get::<i64>(2)?.unwrap_or(0) >= max_batch as i64 {
             return Ok(None);
         }
         match next_batch(client, &at)? {

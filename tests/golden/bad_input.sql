@@ -555,7 +555,6 @@ SELECT outbox.alter_sink('s1', '{"read_by": "TICKS"}');
 SELECT outbox.alter_sink('s1', '{"read_by": true}');
 SELECT outbox.alter_sink('s1', '{"read_by": null}');
 SELECT outbox.alter_sink('s1', jsonb_build_object('read_by', repeat('t', 1000)));
-SELECT outbox.alter_sink('h1', '{"read_by": "ticks"}');
 
 -- ================================================================================ alter_consumer
 SELECT outbox.alter_consumer(NULL, '{"read_by": "ticks"}');

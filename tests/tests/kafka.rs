@@ -549,3 +549,117 @@ fn windows_cut_by_max_batch_bytes_chain_in_order() {
     );
     assert_eq!(last_error(&mut c, "big"), None);
 }
+
+#[test]
+fn a_kafka_sink_by_ticks_delivers_while_a_long_transaction_is_open() {
+    let db = worker_db("kafka_ticks");
+    db.cluster().set("pg_outbox.kafka_allow_private", "on");
+    let broker = Broker::start("ticks");
+    broker.topic("orders", 3, &[]);
+    let mut c = db.connect();
+    c.batch_execute(&format!(
+        "UPDATE outbox.lineage SET raised = true; \
+         SELECT outbox.create_kafka_sink('to-kafka', '{}', 'orders', topics => '{{order.*}}', batch_size => 20); \
+         SELECT outbox.alter_sink('to-kafka', '{{\"read_by\": \"ticks\"}}')",
+        broker.address()
+    ))
+    .unwrap();
+    // A long transaction holds its xid, and raised an event, while the writers commit.
+    let mut long = db.connect();
+    let long_id: String = {
+        long.batch_execute("BEGIN").unwrap();
+        long.query_one(
+            "SELECT outbox.raise('order.placed', '{\"long\": true}', subject => 'key-0')::text",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    let writers: Vec<_> = (0..8)
+        .map(|w| {
+            let mut c = db.connect();
+            std::thread::spawn(move || {
+                let mut committed = Vec::new();
+                for i in 0..30 {
+                    let mut tx = c.transaction().unwrap();
+                    let mut ids = Vec::new();
+                    for j in 0..(1 + (w + i) % 3) {
+                        let id: String = tx
+                            .query_one(
+                                "SELECT outbox.raise('order.placed', jsonb_build_object('w', $1::int, 'i', $2::int, 'j', $3::int), subject => $4)::text",
+                                &[&w, &i, &j, &format!("key-{}", (w + j) % 5)],
+                            )
+                            .unwrap()
+                            .get(0);
+                        ids.push(id);
+                    }
+                    if i % 4 == 3 {
+                        tx.rollback().unwrap();
+                    } else {
+                        tx.commit().unwrap();
+                        committed.extend(ids);
+                    }
+                }
+                committed
+            })
+        })
+        .collect();
+    let mut committed: HashSet<String> = writers
+        .into_iter()
+        .flat_map(|w| w.join().unwrap())
+        .collect();
+    // Every short event arrives while the long transaction is still open.
+    let records = broker.consume("orders", committed.len(), Duration::from_secs(60));
+    let got: HashSet<String> = first_of_each(&records)
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_string())
+        .collect();
+    assert_eq!(
+        got, committed,
+        "every short committed event, and nothing else"
+    );
+    long.batch_execute("COMMIT").unwrap();
+    let long_id_copy = long_id.clone();
+    committed.insert(long_id);
+    let records = broker.consume("orders", committed.len(), Duration::from_secs(60));
+    let firsts = first_of_each(&records);
+    let got: HashSet<String> = firsts
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_string())
+        .collect();
+    assert_eq!(got, committed, "and the long one once it commits");
+    // By ticks, positions do not increase from batch to batch: per key, each transaction's events
+    // arrive in the order raised, and the long one (visible last) comes after the rest of its key.
+    let mut by_partition: BTreeMap<i32, Vec<&Record>> = BTreeMap::new();
+    for r in &firsts {
+        by_partition.entry(r.partition).or_default().push(r);
+    }
+    let mut last_of: BTreeMap<(String, u64), i64> = BTreeMap::new();
+    let mut last_of_key: BTreeMap<String, String> = BTreeMap::new();
+    for (_, mut rs) in by_partition {
+        rs.sort_by_key(|r| r.offset);
+        for r in rs {
+            let key = r.key.clone().unwrap_or_default();
+            let (txid, seq) = position(r.header("ce_position").expect("ce_position"));
+            if let Some(before) = last_of.insert((key.clone(), txid), seq) {
+                assert!(
+                    before < seq,
+                    "key {key}, transaction {txid}: {before} then {seq}"
+                );
+            }
+            last_of_key.insert(key, r.header("ce_id").unwrap().to_string());
+        }
+    }
+    assert_eq!(
+        last_of_key["key-0"], long_id_copy,
+        "the long transaction's event last"
+    );
+    let tick: Option<i64> = c
+        .query_one(
+            "SELECT tick FROM outbox.consumers WHERE name = 'to-kafka'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(tick.is_some(), "it reads by ticks");
+}

@@ -1,7 +1,7 @@
 //! Chaos soak: writers raise events continuously, with random rollbacks and random transaction
-//! lengths, into three SQL sinks (one reading by ticks), an HTTP sink, a pull consumer reading by
-//! ticks, a subscription by ticks whose SQL handler runs jobs and a subscription queueing jobs
-//! for an external worker, while a driver kills worker processes with
+//! lengths, into three SQL sinks (one reading by ticks), an HTTP sink reading by ticks, a pull
+//! consumer reading by ticks, a subscription by ticks whose SQL handler runs jobs and a
+//! subscription queueing jobs for an external worker, while a driver kills worker processes with
 //! SIGKILL (each kill makes the postmaster reset the whole cluster), restarts the server with
 //! `pg_ctl restart -m immediate`, makes a sink and the HTTP endpoint fail for a while, and one
 //! event is poison for one sink. The log is pruned every second with no retention. At the end a
@@ -400,6 +400,9 @@ fn nothing_is_lost_or_duplicated_when_everything_breaks() {
         &[&rx.url("/in")],
     )
     .unwrap();
+    // The HTTP sink reads by ticks.
+    c.batch_execute("SELECT outbox.alter_sink('h', '{\"read_by\": \"ticks\"}')")
+        .unwrap();
     // The poison: one committed event that sink a can never take.
     const POISON: i64 = -1;
     c.batch_execute("SELECT outbox.raise('chaos.poison', '{\"k\": -1, \"poison\": true}')")
@@ -506,7 +509,7 @@ fn nothing_is_lost_or_duplicated_when_everything_breaks() {
                             AND (c.txid, c.seq) < (SELECT e.txid, e.seq FROM outbox.events e
                                                     ORDER BY e.txid DESC, e.seq DESC LIMIT 1)) = 0
                     AND (SELECT count(*) FROM outbox.status() s
-                          WHERE s.name IN ('t', 'p', 'apply') AND s.events_behind > 0) = 0
+                          WHERE s.name IN ('t', 'p', 'apply', 'h') AND s.events_behind > 0) = 0
                     AND (SELECT tick FROM outbox.consumers WHERE name = 't') IS NOT NULL
                     AND (SELECT count(*) FROM outbox.dead_letters) = 2
                     AND (SELECT count(*) FROM outbox.jobs) = 0",

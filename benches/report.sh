@@ -16,7 +16,7 @@ source benches/lib.sh
 if [ -n "${BENCH_SHORT:-}" ]; then
   export BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_EVENTS=2000 BENCH_JOBS=2000 BENCH_SOAK_ROUNDS=2 \
          BENCH_MIN_EVALUATIONS=2000 BENCH_FANOUT_RUNS=1 BENCH_STALL_SECONDS=1 BENCH_SIZE_SECONDS=4 \
-         BENCH_JOBS_RUNS=1
+         BENCH_JOBS_RUNS=1 BENCH_DRAIN_SECONDS=1
   OUT=${BENCH_OUT:-/tmp/pg_outbox-report-short}
 else
   OUT=${BENCH_OUT:-benches/results/$(date -u +%Y-%m-%d)}

@@ -148,14 +148,30 @@ pub fn start_cursor(start_at: Option<&str>) -> Position {
     start.cursor(horizon)
 }
 
-/// Inserts a consumer row (as the owner); false when the name is taken.
+/// Inserts a consumer row (as the owner); false when the name is taken. It reads the log as
+/// `pg_outbox.read_by` says: by ticks, a pull consumer starts its batch at once (`start_batch`),
+/// a sink or subscription at its first pass.
 pub fn insert_consumer(name: &str, kind: &str, cursor: Position, owner: pg_sys::Oid) -> bool {
+    let ticks = crate::settings::READ_BY.get() == crate::settings::ReadBy::Ticks;
+    let batch = (ticks && kind == "pull")
+        .then(|| start_batch(cursor, "creating a consumer that reads by ticks"));
     let [n, t, s] = cursor_args(name, cursor);
     as_owner(|| {
         Spi::get_one_with_args::<bool>(
-            "INSERT INTO outbox.consumers (name, kind, txid, seq, owner) \
-             VALUES ($1, $5, $2::xid8, $3, $4) ON CONFLICT (name) DO NOTHING RETURNING true",
-            &[n, t, s, DatumWithOid::from(owner), DatumWithOid::from(kind)],
+            "INSERT INTO outbox.consumers (name, kind, txid, seq, owner, read_by, tick, since, upto) \
+             VALUES ($1, $5, $2::xid8, $3, $4, $6, $7, $8::text::pg_snapshot, $9::text::pg_snapshot) \
+             ON CONFLICT (name) DO NOTHING RETURNING true",
+            &[
+                n,
+                t,
+                s,
+                DatumWithOid::from(owner),
+                DatumWithOid::from(kind),
+                DatumWithOid::from(if ticks { "ticks" } else { "horizon" }),
+                DatumWithOid::from(batch.as_ref().map(|b| b.tick)),
+                DatumWithOid::from(batch.as_ref().map(|b| b.since.clone())),
+                DatumWithOid::from(batch.as_ref().map(|b| b.upto.clone())),
+            ],
         )
     })
     .map(|inserted| inserted.unwrap_or(false))

@@ -2,7 +2,7 @@
 //!
 //! Times are integers with units, so `SET pg_outbox.poll_interval = '250ms'` and `'2s'` both work.
 
-use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
+use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting, PostgresGucEnum};
 use std::ffi::CString;
 use std::time::Duration;
 
@@ -103,12 +103,33 @@ pub static HTTP_MAX_RESPONSE_BYTES: GucSetting<i32> = GucSetting::<i32>::new(65_
 /// and wedged the sink (issue #10). 1 MB is ample for events; documents belong in tables.
 pub static MAX_EVENT_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
 
+/// How the readers created from now on read the log (each keeps its own mode: `read_by` of
+/// outbox.consumers, turned from horizon to ticks by alter_sink, alter_consumer and
+/// alter_subscription).
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ReadBy {
+    #[name = c"horizon"]
+    Horizon,
+    #[name = c"ticks"]
+    Ticks,
+}
+
+pub static READ_BY: GucSetting<ReadBy> = GucSetting::<ReadBy>::new(ReadBy::Horizon);
+
 /// Off: workers stay connected but deliver nothing (maintenance windows).
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 
 /// Defines the settings (in every process that loads the library: all of them may be set with
 /// or without the workers).
 pub fn init() {
+    GucRegistry::define_enum_guc(
+        c"pg_outbox.read_by",
+        c"How sinks, pull consumers and subscriptions created from now on read the log: by the read horizon or by ticks.",
+        c"Each reader keeps the mode it was created with; alter_sink, alter_consumer and alter_subscription turn one to ticks.",
+        &READ_BY,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
     GucRegistry::define_string_guc(
         c"pg_outbox.databases",
         c"Databases where the pg_outbox workers deliver (comma-separated; empty: every database with pg_outbox).",

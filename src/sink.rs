@@ -394,6 +394,10 @@ fn read_by(id: &str, ticks: bool) {
         )
     })
     .unwrap_or_else(|e| panic!("updating sink: {e}"));
+    if ticks {
+        // The workers tick once it reads by ticks (crate::ticks::wanted): soon, not at a poll.
+        crate::worker::wake_at_commit_always();
+    }
 }
 
 /// Drops a sink, its cursor and its dead letters.

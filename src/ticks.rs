@@ -84,7 +84,7 @@ pub fn prune() -> i64 {
                                  AND NOT EXISTS (SELECT FROM outbox.consumers c \
                                                   WHERE c.tick OPERATOR(pg_catalog.<) t.tick) \
                                  AND pg_catalog.pg_snapshot_xmax(t.snapshot) OPERATOR(pg_catalog.<=) \
-                                     pg_catalog.pg_snapshot_xmin(outbox._log_snapshot()::pg_catalog.pg_snapshot) \
+                                     (SELECT pg_catalog.pg_snapshot_xmin(outbox._log_snapshot()::pg_catalog.pg_snapshot)) \
                               RETURNING 1) \
                  SELECT pg_catalog.count(*) FROM gone",
                 Some(1),

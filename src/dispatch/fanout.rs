@@ -451,13 +451,14 @@ pub fn pass(names: &[&str]) -> PassResult {
         };
         // Those done with this pass; saved at the end if they moved on to a batch unsaved.
         let mut finished: Vec<Subscription> = Vec::new();
+        let started = std::time::Instant::now();
         while !subs.is_empty() {
             let Some((m, f, group)) = fan_out(client, &mut subs, &mut budget) else {
                 // Nothing readable after the lowest cursor of the first frame: nothing after the
                 // others of that frame either. Those in a batch go on to the next one.
                 let frame = subs.iter().take_while(|s| s.same_frame(&subs[0])).count();
                 for sub in subs.drain(..frame).collect::<Vec<_>>() {
-                    let (moved, more) = next_batch(client, sub, &mut subs, &mut finished);
+                    let (moved, more) = next_batch(client, sub, &mut subs, &mut finished, started);
                     any |= moved;
                     full |= more;
                 }
@@ -475,7 +476,7 @@ pub fn pass(names: &[&str]) -> PassResult {
                     insert_by_key(&mut subs, sub);
                 } else if !f && sub.batch.is_some() && sub.stopped_at.is_none() {
                     // At the end of its batch: on to the next, in this pass.
-                    full |= next_batch(client, sub, &mut subs, &mut finished).1;
+                    full |= next_batch(client, sub, &mut subs, &mut finished, started).1;
                 } else {
                     full |= f;
                     finished.push(sub);
@@ -500,8 +501,11 @@ pub fn pass(names: &[&str]) -> PassResult {
 }
 
 /// Batches one subscription may move through in one pass: a backlog of many small batches goes in
-/// one pass (a few of them), not a batch a pass.
+/// one pass (a few of them), not a batch a pass; and no later than `BATCHES_TIME` into the pass
+/// (once it wrote a job, the pass's transaction holds an xid, which holds back the readers by the
+/// read horizon).
 const MAX_BATCHES: usize = 64;
+const BATCHES_TIME: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Puts `sub` in the order `subs` reads in.
 fn insert_by_key(subs: &mut Vec<Subscription>, sub: Subscription) {
@@ -517,11 +521,12 @@ fn next_batch(
     mut sub: Subscription,
     subs: &mut Vec<Subscription>,
     finished: &mut Vec<Subscription>,
+    started: std::time::Instant,
 ) -> (bool, bool) {
     let next = super::next_batch(client, &sub.at(sub.cursor))
         .unwrap_or_else(|e| panic!("subscription \"{}\": {e}", sub.name));
     match next {
-        Some(at) if sub.batches < MAX_BATCHES => {
+        Some(at) if sub.batches < MAX_BATCHES && started.elapsed() < BATCHES_TIME => {
             sub.cursor = at.pos;
             sub.batch = at.batch;
             sub.batches += 1;
@@ -588,7 +593,12 @@ fn fan_out(
     } else {
         None
     });
-    let last = rows.get(end.checked_sub(1)?)?.position();
+    let Some(last) = end.checked_sub(1).map(|i| rows[i].position()) else {
+        drop(rows);
+        // SAFETY: nothing read from the (empty) window is kept.
+        unsafe { pg_sys::SPI_freetuptable(table) };
+        return None;
+    };
     let inside = waiting
         .iter()
         .take_while(|s| s.same_frame(&waiting[0]) && s.cursor < last)

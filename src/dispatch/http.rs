@@ -571,6 +571,11 @@ fn read_kafka_windows(
         }
         out.push(window);
     }
+    // The last window came short within a batch: it ended the batch, and the sink has more to
+    // read now if a later tick is taken (as `read_window` says of a lone window).
+    if let (Some(batch), Some(last)) = (&after.batch, out.last_mut()) {
+        last.more = (last.count as u32) < max && super::later_tick(client, batch.tick)?;
+    }
     Ok(out)
 }
 
@@ -718,8 +723,9 @@ fn read_window(
         }
     };
     // A window that ended its batch short: the sink has more to read now if a later tick is
-    // taken (the next pass starts on that batch at once).
-    if let Some(batch) = &after.batch {
+    // taken (the next pass starts on that batch at once). (A Kafka sink's windows say so where
+    // they are cut, `read_kafka_windows`.)
+    if let (Some(batch), false) = (&after.batch, kafka) {
         window.more = (window.count as u32) < max && super::later_tick(client, batch.tick)?;
     }
     Ok(window)

@@ -2013,3 +2013,56 @@ fn a_consumer_turned_to_ticks_in_a_transaction_that_raised_reads_those_events_on
     c.batch_execute("SELECT outbox._tick()").unwrap();
     assert_eq!(topics(&mut c), ["other", "other.2", "own"], "each once");
 }
+
+#[test]
+fn pg_outbox_read_by_chooses_how_the_readers_created_from_then_on_read() {
+    let db = test_db("ticks_default");
+    let mut c = db.connect();
+    c.batch_execute(
+        "CREATE FUNCTION keep(events outbox.event[]) RETURNS void LANGUAGE sql AS 'SELECT'; \
+         CREATE FUNCTION one(e outbox.event) RETURNS void LANGUAGE sql AS 'SELECT'; \
+         SET pg_outbox.read_by = 'ticks'; \
+         SELECT outbox.create_consumer('p'); \
+         SELECT outbox.create_sink('s', 'keep(outbox.event[])'); \
+         SELECT outbox.subscribe('u', handler => 'one(outbox.event)'); \
+         RESET pg_outbox.read_by; \
+         SELECT outbox.create_consumer('h')",
+    )
+    .unwrap();
+    let modes: Vec<(String, String, bool)> = c
+        .query(
+            "SELECT name, read_by, tick IS NOT NULL FROM outbox.consumers ORDER BY name",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let want = |n: &str, m: &str, batch: bool| (n.to_string(), m.to_string(), batch);
+    assert_eq!(
+        modes,
+        [
+            want("h", "horizon", false),
+            // A pull consumer is in a batch at once; a sink or subscription from its first pass.
+            want("p", "ticks", true),
+            want("s", "ticks", false),
+            want("u", "ticks", false),
+        ]
+    );
+    assert_eq!(
+        c.query_one("SHOW pg_outbox.read_by", &[])
+            .unwrap()
+            .get::<_, String>(0),
+        "horizon"
+    );
+    assert_eq!(sqlstate(&mut c, "SET pg_outbox.read_by = 'xmin'"), "22023");
+    assert_eq!(
+        sqlstate(
+            &mut c,
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL pg_outbox.read_by = 'ticks'; \
+             SELECT outbox.create_consumer('rr')"
+        ),
+        "25001"
+    );
+    c.batch_execute("ROLLBACK").unwrap();
+}

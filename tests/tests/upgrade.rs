@@ -430,13 +430,27 @@ fn upgrade(cluster: &Cluster, tree: &Tree) {
         ),
         1
     );
-    // The paused sink kept its place and delivers everything once resumed.
+    // Every reader of 0.1.0 reads by the read horizon, as it did; each may turn to ticks from
+    // where it is (issue 15).
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM outbox.consumers WHERE read_by <> 'horizon' OR tick IS NOT NULL"
+        ),
+        0
+    );
+    // The paused sink kept its place, turns to ticks, and delivers everything once resumed.
     assert!(got(&mut su, "later").is_empty());
-    su.batch_execute("SELECT outbox.resume_sink('later')")
-        .unwrap();
+    su.batch_execute(
+        "SELECT outbox.alter_sink('later', '{\"read_by\": \"ticks\"}'); \
+         SELECT outbox.resume_sink('later')",
+    )
+    .unwrap();
     delivered(&mut su, "later", 30);
     assert_eq!(got(&mut su, "later"), all);
-    // The pull consumer goes on after its tenth event.
+    // The pull consumer turns to ticks and goes on after its tenth event.
+    su.batch_execute("SELECT outbox.alter_consumer('puller', '{\"read_by\": \"ticks\"}')")
+        .unwrap();
     let rest: Vec<i32> = su
         .query(
             "SELECT (payload->>'n')::int FROM outbox.read('puller', 100)",

@@ -477,6 +477,95 @@ fn stalls(cluster: &Cluster, c: &mut Client) {
     );
 }
 
+/// Events per second a sink drains a backlog of one-event transactions at (8 clients raising for
+/// `seconds` while it is paused), reading by the read horizon or by ticks. By ticks, the workers
+/// took a tick a round meanwhile, and a window never spans two batches: the backlog's batches,
+/// and so its windows, are as small as the rounds were short.
+fn drain_small_transactions(
+    cluster: &Cluster,
+    c: &mut Client,
+    seconds: u64,
+    by_ticks: bool,
+) -> f64 {
+    let sink = if by_ticks {
+        "small_ticks"
+    } else {
+        "small_horizon"
+    };
+    new_sink(c, sink, 128);
+    if by_ticks {
+        read_by_ticks(c, sink);
+        // In a batch before the backlog (a sink turns to ticks at its first pass after a tick).
+        c.batch_execute("SELECT outbox.raise('bench.first', '{\"k\": -1}')")
+            .unwrap();
+        wait_for_ledger(c, 1, Duration::from_secs(30));
+    }
+    c.execute("SELECT outbox.pause_sink($1)", &[&sink]).unwrap();
+    let before: i64 = c
+        .query_one("SELECT count(*) FROM ledger", &[])
+        .unwrap()
+        .get(0);
+    let (commits, _) = raise_load(cluster, 8, None, seconds);
+    let ticks: i64 = c
+        .query_one("SELECT count(*) FROM outbox.ticks", &[])
+        .unwrap()
+        .get(0);
+    c.batch_execute("CHECKPOINT").unwrap();
+    let start = Instant::now();
+    c.execute("SELECT outbox.resume_sink($1)", &[&sink])
+        .unwrap();
+    wait_for_ledger(c, before as usize + commits.len(), Duration::from_secs(600));
+    let rate = commits.len() as f64 / start.elapsed().as_secs_f64();
+    println!(
+        "{:<46} {:>12.0}",
+        format!(
+            "{} one-event transactions, {}",
+            commits.len(),
+            if by_ticks {
+                format!("by ticks ({ticks} ticks)")
+            } else {
+                "by the horizon".to_string()
+            }
+        ),
+        rate
+    );
+    c.execute("SELECT outbox.drop_sink($1)", &[&sink]).unwrap();
+    rate
+}
+
+/// Drain of a backlog of small transactions, by the read horizon and by ticks, same run.
+fn drains_by_ticks(cluster: &Cluster, c: &mut Client) {
+    let seconds: u64 = env_or("BENCH_DRAIN_SECONDS", 10);
+    println!(
+        "\n{:<46} {:>12}",
+        "drain of a backlog of small transactions", "events/s"
+    );
+    let horizon = drain_small_transactions(cluster, c, seconds, false);
+    let ticks = drain_small_transactions(cluster, c, seconds, true);
+    let title = "Draining a backlog of one-event transactions (batch 128)";
+    record(
+        "drain_small",
+        title,
+        "events/s",
+        "by the read horizon",
+        "batch 128",
+        horizon,
+    );
+    record(
+        "drain_small",
+        title,
+        "events/s",
+        "by ticks",
+        "batch 128",
+        ticks,
+    );
+    record_ratio(
+        "drain of small transactions: by ticks / by the read horizon (target: at least 1.0)",
+        ticks / horizon,
+        Some(1.0),
+    );
+}
+
 fn main() {
     let events: i64 = env_or("BENCH_EVENTS", 200_000);
     let seconds: u64 = env_or("BENCH_SECONDS", 10);
@@ -496,6 +585,10 @@ fn main() {
         }
         if std::env::var_os("BENCH_LATENCY_ONLY").is_some() {
             latencies(cluster, c, seconds);
+            return;
+        }
+        if std::env::var_os("BENCH_DRAIN_TICKS_ONLY").is_some() {
+            drains_by_ticks(cluster, c);
             return;
         }
         println!("{:<46} {:>12}", "drain of waiting events", "events/s");
@@ -594,6 +687,7 @@ fn main() {
         }
         latencies(cluster, c, seconds);
         stalls(cluster, c);
+        drains_by_ticks(cluster, c);
         let seconds_long: u64 = env_or("BENCH_SIZE_SECONDS", 300);
         let retention: u64 = env_or("BENCH_SIZE_RETENTION", 10);
         let (samples, dead) = sizes(cluster, c, seconds_long, retention);

@@ -83,26 +83,16 @@ fn in_order_per_key(records: &[Record]) {
     }
 }
 
-#[test]
-fn a_kafka_sink_delivers_every_committed_event_once_in_order_per_key() {
-    let db = worker_db("kafka_order");
-    db.cluster().set("pg_outbox.kafka_allow_private", "on");
-    let broker = Broker::start("order");
-    broker.topic("orders", 3, &[]);
-    let mut c = db.connect();
-    c.batch_execute(&format!(
-        "SELECT outbox.create_kafka_sink('to-kafka', '{}', 'orders', topics => '{{order.*}}', batch_size => 50)",
-        broker.address()
-    ))
-    .unwrap();
-    // Eight writers, each committing and rolling back transactions of one to three events on
-    // five keys shared between them: commits land out of order.
+/// Eight writers, each committing and rolling back `rounds` transactions of one to three
+/// events on five keys shared between them: commits land out of order. The ids of the events
+/// committed.
+fn write_orders(db: &pg_outbox_tests::TestDb, rounds: i32) -> HashSet<String> {
     let writers: Vec<_> = (0..8)
         .map(|w| {
             let mut c = db.connect();
             std::thread::spawn(move || {
                 let mut committed = Vec::new();
-                for i in 0..40 {
+                for i in 0..rounds {
                     let mut tx = c.transaction().unwrap();
                     let mut ids = Vec::new();
                     for j in 0..(1 + (w + i) % 3) {
@@ -126,10 +116,25 @@ fn a_kafka_sink_delivers_every_committed_event_once_in_order_per_key() {
             })
         })
         .collect();
-    let committed: HashSet<String> = writers
+    writers
         .into_iter()
         .flat_map(|w| w.join().unwrap())
-        .collect();
+        .collect()
+}
+
+#[test]
+fn a_kafka_sink_delivers_every_committed_event_once_in_order_per_key() {
+    let db = worker_db("kafka_order");
+    db.cluster().set("pg_outbox.kafka_allow_private", "on");
+    let broker = Broker::start("order");
+    broker.topic("orders", 3, &[]);
+    let mut c = db.connect();
+    c.batch_execute(&format!(
+        "SELECT outbox.create_kafka_sink('to-kafka', '{}', 'orders', topics => '{{order.*}}', batch_size => 50)",
+        broker.address()
+    ))
+    .unwrap();
+    let committed = write_orders(&db, 40);
     // An event of another topic is not for this sink.
     c.batch_execute("SELECT outbox.raise('invoice.sent', '{}')")
         .unwrap();
@@ -575,39 +580,7 @@ fn a_kafka_sink_by_ticks_delivers_while_a_long_transaction_is_open() {
         .unwrap()
         .get(0)
     };
-    let writers: Vec<_> = (0..8)
-        .map(|w| {
-            let mut c = db.connect();
-            std::thread::spawn(move || {
-                let mut committed = Vec::new();
-                for i in 0..30 {
-                    let mut tx = c.transaction().unwrap();
-                    let mut ids = Vec::new();
-                    for j in 0..(1 + (w + i) % 3) {
-                        let id: String = tx
-                            .query_one(
-                                "SELECT outbox.raise('order.placed', jsonb_build_object('w', $1::int, 'i', $2::int, 'j', $3::int), subject => $4)::text",
-                                &[&w, &i, &j, &format!("key-{}", (w + j) % 5)],
-                            )
-                            .unwrap()
-                            .get(0);
-                        ids.push(id);
-                    }
-                    if i % 4 == 3 {
-                        tx.rollback().unwrap();
-                    } else {
-                        tx.commit().unwrap();
-                        committed.extend(ids);
-                    }
-                }
-                committed
-            })
-        })
-        .collect();
-    let mut committed: HashSet<String> = writers
-        .into_iter()
-        .flat_map(|w| w.join().unwrap())
-        .collect();
+    let mut committed = write_orders(&db, 30);
     // Every short event arrives while the long transaction is still open.
     let records = broker.consume("orders", committed.len(), Duration::from_secs(60));
     let got: HashSet<String> = first_of_each(&records)

@@ -614,6 +614,52 @@ fn a_long_transaction_with_many_events_is_not_scanned_again_at_every_tick() {
     assert_eq!(n, 20000);
 }
 
+/// Checks what a reader by ticks got, in order, as (writer, transaction, index in it), against
+/// what the writers committed (`long`: the writer of a transaction the writers did not run): each
+/// event once, none rolled back, each transaction's events together and in the order raised, and
+/// no transaction that committed before another began got after it. Where each transaction's
+/// first event is.
+fn check_order(
+    what: &str,
+    got: &[(i32, i32, i32)],
+    committed: &HashMap<(i32, i32), (Instant, Instant, i32)>,
+    long: i32,
+) -> HashMap<(i32, i32), usize> {
+    let mut seen = HashSet::new();
+    let mut first_of: HashMap<(i32, i32), usize> = HashMap::new();
+    for (i, &(w, k, j)) in got.iter().enumerate() {
+        assert!(seen.insert((w, k, j)), "{what}: ({w}, {k}, {j}) twice");
+        if w != long {
+            let (_, _, events) = committed
+                .get(&(w, k))
+                .unwrap_or_else(|| panic!("{what}: ({w}, {k}) was rolled back, yet got"));
+            assert!(j < *events);
+        }
+        let at = *first_of.entry((w, k)).or_insert(i);
+        assert_eq!(
+            i - at,
+            j as usize,
+            "{what}: ({w}, {k}) is not together and in order"
+        );
+    }
+    let mut by_begin: Vec<((i32, i32), Instant)> = committed
+        .iter()
+        .filter(|(k, _)| first_of.contains_key(k))
+        .map(|(k, (b, _, _))| (*k, *b))
+        .collect();
+    by_begin.sort_by_key(|(_, b)| *b);
+    for (a, (_, a_done, _)) in committed.iter().filter(|(k, _)| first_of.contains_key(k)) {
+        let later = by_begin.partition_point(|(_, b)| b <= a_done);
+        for (b, _) in &by_begin[later..] {
+            assert!(
+                first_of[a] < first_of[b],
+                "{what}: {a:?} committed before {b:?} began, yet got after it"
+            );
+        }
+    }
+    first_of
+}
+
 #[test]
 fn a_sql_sink_that_reads_by_ticks_gets_every_event_once_while_a_long_transaction_is_open() {
     let db = worker_db("ticks_sink");
@@ -706,44 +752,12 @@ fn a_sql_sink_that_reads_by_ticks_gets_every_event_once_while_a_long_transaction
         .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
         .collect();
     assert_eq!(got.len() as i64, short + 2, "every committed event once");
-    // Once each, and nothing rolled back.
-    let mut seen = HashSet::new();
-    for (_, pos, w, k, j) in &got {
-        assert!(seen.insert((*w, *k, *j)), "({w}, {k}, {j}) at {pos} twice");
-        if *w != LONG {
-            let (_, _, events) = committed
-                .get(&(*w, *k))
-                .unwrap_or_else(|| panic!("({w}, {k}) was rolled back, yet delivered"));
-            assert!(*j < *events);
-        }
-    }
-    // A transaction's events together and in the order it raised them; its position is the
-    // event's own.
-    let mut first_of: HashMap<(i32, i32), usize> = HashMap::new();
-    for (i, (_, pos, w, k, j)) in got.iter().enumerate() {
-        let at = *first_of.entry((*w, *k)).or_insert(i);
-        assert_eq!(
-            i - at,
-            *j as usize,
-            "({w}, {k}) is not together and in order"
-        );
-        assert!(pos.contains(':'));
-    }
+    // Positions are the events' own.
+    assert!(got.iter().all(|(_, pos, ..)| pos.contains(':')));
+    let order: Vec<(i32, i32, i32)> = got.iter().map(|&(_, _, w, k, j)| (w, k, j)).collect();
+    let first_of = check_order("sink", &order, &committed, LONG);
     // The long transaction, visible last, is delivered last.
     assert_eq!(first_of[&(LONG, 0)], got.len() - 2);
-    // A transaction that had committed before another began is never delivered after it.
-    let mut by_begin: Vec<((i32, i32), Instant)> =
-        committed.iter().map(|(k, (b, _, _))| (*k, *b)).collect();
-    by_begin.sort_by_key(|(_, b)| *b);
-    for (a, (_, a_done, _)) in &committed {
-        let later = by_begin.partition_point(|(_, b)| b <= a_done);
-        for (b, _) in &by_begin[later..] {
-            assert!(
-                first_of[a] < first_of[b],
-                "{a:?} committed before {b:?} began, yet was delivered after it"
-            );
-        }
-    }
     // The sink's cursor is a batch: it reads by ticks.
     let tick: Option<i64> = c
         .query_one(
@@ -1264,37 +1278,10 @@ fn a_pull_consumer_that_reads_by_ticks_gets_every_event_once_while_a_long_transa
 
     // Once each, nothing rolled back, a transaction's events together and in raise order, the
     // long one last, and none committed before another began read after it.
-    let mut seen = HashSet::new();
-    let mut first_of: HashMap<(i32, i32), usize> = HashMap::new();
-    for (i, (pos, w, k, j)) in consumed.iter().enumerate() {
-        assert!(seen.insert((*w, *k, *j)), "({w}, {k}, {j}) at {pos} twice");
-        if *w != LONG {
-            let (_, _, events) = committed
-                .get(&(*w, *k))
-                .unwrap_or_else(|| panic!("({w}, {k}) was rolled back, yet read"));
-            assert!(*j < *events);
-        }
-        let at = *first_of.entry((*w, *k)).or_insert(i);
-        assert_eq!(
-            i - at,
-            *j as usize,
-            "({w}, {k}) is not together and in order"
-        );
-    }
+    let order: Vec<(i32, i32, i32)> = consumed.iter().map(|&(_, w, k, j)| (w, k, j)).collect();
+    let first_of = check_order("puller", &order, &committed, LONG);
     assert_eq!(consumed.len() as i64, short + 2);
     assert_eq!(first_of[&(LONG, 0)], consumed.len() - 2);
-    let mut by_begin: Vec<((i32, i32), Instant)> =
-        committed.iter().map(|(k, (b, _, _))| (*k, *b)).collect();
-    by_begin.sort_by_key(|(_, b)| *b);
-    for (a, (_, a_done, _)) in &committed {
-        let later = by_begin.partition_point(|(_, b)| b <= a_done);
-        for (b, _) in &by_begin[later..] {
-            assert!(
-                first_of[a] < first_of[b],
-                "{a:?} committed before {b:?} began, yet was read after it"
-            );
-        }
-    }
     // The consumer by the read horizon beside it reads the same events, in log order.
     let old = pull_until(&mut c, "old", 9, |consumed| {
         consumed.len() as i64 == short + 2
@@ -1625,58 +1612,23 @@ fn subscriptions_that_read_by_ticks_queue_every_event_once_while_a_long_transact
             || (jobs(&mut c, sub).len() as i64 == total).then_some(()),
         );
     }
-    // Once each, nothing rolled back, each transaction's events together and in raise order;
-    // by ticks, the long one last, and none committed before another began queued after it.
+    // Once each, nothing rolled back, each transaction's events together and in raise order, and
+    // none committed before another began queued after it (by the read horizon too: by txid);
+    // by ticks, the long one last.
     for sub in ["all", "even", "old"] {
         let queued = jobs(&mut c, sub);
-        let mut seen = HashSet::new();
-        let mut first_of: HashMap<(i32, i32), usize> = HashMap::new();
-        for (i, (pos, w, k, j)) in queued.iter().enumerate() {
-            assert!(
-                seen.insert((*w, *k, *j)),
-                "{sub}: ({w}, {k}, {j}) at {pos} twice"
-            );
-            if *w != LONG {
-                let (_, _, events) = committed
-                    .get(&(*w, *k))
-                    .unwrap_or_else(|| panic!("{sub}: ({w}, {k}) was rolled back, yet queued"));
-                assert!(*j < *events);
-                assert!(
-                    sub != "even" || w % 2 == 0,
-                    "{sub}: ({w}, {k}) does not match"
-                );
-            }
-            let at = *first_of.entry((*w, *k)).or_insert(i);
-            assert_eq!(
-                i - at,
-                *j as usize,
-                "{sub}: ({w}, {k}) is not together and in order"
-            );
-        }
-        if sub == "old" {
-            continue;
-        }
+        let order: Vec<(i32, i32, i32)> = queued.iter().map(|&(_, w, k, j)| (w, k, j)).collect();
+        assert!(
+            sub != "even" || order.iter().all(|(w, ..)| *w == LONG || w % 2 == 0),
+            "{sub}: an event its filter turns down"
+        );
+        let first_of = check_order(sub, &order, &committed, LONG);
         if sub == "all" {
             assert_eq!(
                 first_of[&(LONG, 0)],
                 queued.len() - 2,
                 "{sub}: the long one last"
             );
-        }
-        let mut by_begin: Vec<((i32, i32), Instant)> = committed
-            .iter()
-            .filter(|(k, _)| first_of.contains_key(k))
-            .map(|(k, (b, _, _))| (*k, *b))
-            .collect();
-        by_begin.sort_by_key(|(_, b)| *b);
-        for (a, (_, a_done, _)) in committed.iter().filter(|(k, _)| first_of.contains_key(k)) {
-            let later = by_begin.partition_point(|(_, b)| b <= a_done);
-            for (b, _) in &by_begin[later..] {
-                assert!(
-                    first_of[a] < first_of[b],
-                    "{sub}: {a:?} committed before {b:?} began, yet was queued after it"
-                );
-            }
         }
     }
     let read_by: Vec<(String, String, bool)> = c
@@ -1825,6 +1777,21 @@ fn posted(rx: &pg_outbox_tests::http_server::Receiver) -> Vec<(String, serde_jso
         .collect()
 }
 
+/// HTTP sink `hook` posting to `rx` in windows of `batch`, reading by ticks from now on, in a log
+/// raised in before (a log's first tick waits for its first raise to commit).
+fn hook_by_ticks(c: &mut Client, rx: &pg_outbox_tests::http_server::Receiver, batch: i32) {
+    c.execute(
+        "SELECT outbox.create_http_sink('hook', $1, batch_size => $2, start_at => 'now')",
+        &[&rx.url("/in"), &batch],
+    )
+    .unwrap();
+    c.batch_execute(
+        "UPDATE outbox.lineage SET raised = true; \
+         SELECT outbox.alter_sink('hook', '{\"read_by\": \"ticks\"}')",
+    )
+    .unwrap();
+}
+
 #[test]
 fn an_http_sink_that_reads_by_ticks_gets_every_event_while_a_long_transaction_is_open() {
     let db = worker_db("ticks_http");
@@ -1838,17 +1805,8 @@ fn an_http_sink_that_reads_by_ticks_gets_every_event_while_a_long_transaction_is
         }
     });
     let mut c = db.connect();
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1, batch_size => 16, start_at => 'now')",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
-    c.batch_execute(
-        "UPDATE outbox.lineage SET raised = true; \
-         SELECT outbox.alter_sink('hook', '{\"read_by\": \"ticks\"}')",
-    )
-    .unwrap();
-    const LONG: i64 = 99;
+    hook_by_ticks(&mut c, &rx, 16);
+    const LONG: i32 = 99;
     let mut long = db.connect();
     long.batch_execute("BEGIN; SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 0}')")
         .unwrap();
@@ -1879,31 +1837,14 @@ fn an_http_sink_that_reads_by_ticks_gets_every_event_while_a_long_transaction_is
         (all.len() >= short + 2).then_some(all)
     });
     assert_eq!(all.len(), short + 2, "every committed event once");
-    let key = |d: &serde_json::Value| {
-        (
-            d["w"].as_i64().unwrap(),
-            d["n"].as_i64().unwrap(),
-            d["j"].as_i64().unwrap(),
-        )
-    };
-    let mut seen = HashSet::new();
-    let mut first_of: HashMap<(i64, i64), usize> = HashMap::new();
-    for (i, (pos, d)) in all.iter().enumerate() {
-        let (w, k, j) = key(d);
-        assert!(seen.insert((w, k, j)), "({w}, {k}, {j}) at {pos} twice");
-        if w != LONG {
-            let (_, _, events) = committed
-                .get(&(w as i32, k as i32))
-                .unwrap_or_else(|| panic!("({w}, {k}) was rolled back, yet posted"));
-            assert!(j < *events as i64);
-        }
-        let at = *first_of.entry((w, k)).or_insert(i);
-        assert_eq!(
-            i - at,
-            j as usize,
-            "({w}, {k}) is not together and in order"
-        );
-    }
+    let order: Vec<(i32, i32, i32)> = all
+        .iter()
+        .map(|(_, d)| {
+            let n = |f: &str| d[f].as_i64().unwrap() as i32;
+            (n("w"), n("n"), n("j"))
+        })
+        .collect();
+    let first_of = check_order("hook", &order, &committed, LONG);
     assert_eq!(first_of[&(LONG, 0)], all.len() - 2, "the long one last");
     assert!(
         rx.received().iter().any(|q| q.status == 503),
@@ -1923,16 +1864,7 @@ fn an_http_sink_by_ticks_dead_letters_a_poison_event_at_the_end_of_a_batch() {
         }
     });
     let mut c = db.connect();
-    c.execute(
-        "SELECT outbox.create_http_sink('hook', $1, batch_size => 8, start_at => 'now')",
-        &[&rx.url("/in")],
-    )
-    .unwrap();
-    c.batch_execute(
-        "UPDATE outbox.lineage SET raised = true; \
-         SELECT outbox.alter_sink('hook', '{\"read_by\": \"ticks\"}')",
-    )
-    .unwrap();
+    hook_by_ticks(&mut c, &rx, 8);
     raise_one(&mut c, "t.first");
     pg_outbox_tests::eventually("the first event", Duration::from_secs(10), || {
         (posted(&rx).len() == 1).then_some(())

@@ -1998,3 +1998,160 @@ fn pg_outbox_read_by_chooses_how_the_readers_created_from_then_on_read() {
     );
     c.batch_execute("ROLLBACK").unwrap();
 }
+
+#[test]
+fn every_kind_of_reader_by_ticks_gets_every_event_in_order_while_a_30_s_transaction_raises_too() {
+    let seconds: u64 = std::env::var("TICKS_LONG_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    let db = worker_db("ticks_all");
+    let _loopback = loopback(&db);
+    let rx = pg_outbox_tests::http_server::Receiver::start(|_, _| (200, vec![]));
+    let mut c = db.connect();
+    // Every reader created by ticks (pg_outbox.read_by), but one sink by the horizon beside them.
+    c.batch_execute(
+        "UPDATE outbox.lineage SET raised = true; \
+         CREATE TABLE got (n bigserial, w int, k int, j int); \
+         CREATE FUNCTION keep(events outbox.event[]) RETURNS void LANGUAGE sql AS $$ \
+           INSERT INTO got (w, k, j) \
+           SELECT (e.payload->>'w')::int, (e.payload->>'n')::int, (e.payload->>'j')::int \
+             FROM unnest(events) WITH ORDINALITY AS e ORDER BY e.ordinality $$; \
+         CREATE FUNCTION ignore(events outbox.event[]) RETURNS void LANGUAGE sql AS 'SELECT'; \
+         SELECT outbox.create_sink('old', 'ignore(outbox.event[])', start_at => 'now'); \
+         SET pg_outbox.read_by = 'ticks'; \
+         SELECT outbox.create_sink('sql', 'keep(outbox.event[])', batch_size => 16, start_at => 'now'); \
+         SELECT outbox.create_consumer('pull', 'now'); \
+         SELECT outbox.subscribe('sub', '{short,long}', queue => 'q', start_at => 'now')",
+    )
+    .unwrap();
+    c.execute(
+        "SELECT outbox.create_http_sink('http', $1, batch_size => 16, start_at => 'now')",
+        &[&rx.url("/in")],
+    )
+    .unwrap();
+    c.batch_execute("RESET pg_outbox.read_by").unwrap();
+    // The long transaction raises at its start, then every few seconds, and commits at the end.
+    const LONG: i32 = 99;
+    let mut long = db.connect();
+    long.batch_execute("BEGIN; SELECT outbox.raise('long', '{\"w\": 99, \"n\": 0, \"j\": 0}')")
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (writers, committed, _) = spawn_writers(&db, 8, 0x1C69_B3F7_4AD2_0E55, 20_000, 4, &stop);
+    let writing = stop.clone();
+    let shared = committed.clone();
+    let mut puller = db.connect();
+    let reader = std::thread::spawn(move || {
+        pull_until(&mut puller, "pull", 0xA076_1D64_78BD_642F, |consumed| {
+            if !writing.load(Ordering::SeqCst) {
+                return false;
+            }
+            let short: usize = shared
+                .lock()
+                .unwrap()
+                .values()
+                .map(|(_, _, e)| *e as usize)
+                .sum();
+            consumed.len() >= short
+        })
+    });
+    let mut raised_long = 1;
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(seconds) {
+        std::thread::sleep(Duration::from_secs(5).min(Duration::from_secs(seconds)));
+        long.execute(
+            "SELECT outbox.raise('long', jsonb_build_object('w', 99, 'n', 0, 'j', $1::int))",
+            &[&raised_long],
+        )
+        .unwrap();
+        raised_long += 1;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for w in writers {
+        w.join().unwrap();
+    }
+    let mut pulled: Vec<(i32, i32, i32)> = reader
+        .join()
+        .unwrap()
+        .into_iter()
+        .map(|(_, w, k, j)| (w, k, j))
+        .collect();
+    let committed = committed.lock().unwrap().clone();
+    let short: usize = committed.values().map(|(_, _, e)| *e as usize).sum();
+    let sql = |c: &mut Client| -> Vec<(i32, i32, i32)> {
+        c.query("SELECT w, k, j FROM got ORDER BY n", &[])
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect()
+    };
+    let jobs = |c: &mut Client| -> Vec<(i32, i32, i32)> {
+        c.query(
+            "SELECT (payload->'payload'->>'w')::int, (payload->'payload'->>'n')::int, \
+                    (payload->'payload'->>'j')::int FROM outbox.jobs WHERE subscription = 'sub' ORDER BY id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+    };
+    let http = |rx: &pg_outbox_tests::http_server::Receiver| -> Vec<(i32, i32, i32)> {
+        posted(rx)
+            .iter()
+            .map(|(_, d)| {
+                let n = |f: &str| d[f].as_i64().unwrap() as i32;
+                (n("w"), n("n"), n("j"))
+            })
+            .collect()
+    };
+    // While the long transaction is still open, every reader by ticks has every short event.
+    assert_eq!(
+        pulled.len(),
+        short,
+        "pull: every short event while the long one is open"
+    );
+    pg_outbox_tests::eventually(
+        "every short event everywhere while the long transaction is open",
+        Duration::from_secs(60),
+        || {
+            (sql(&mut c).len() == short && jobs(&mut c).len() == short && http(&rx).len() == short)
+                .then_some(())
+        },
+    );
+    assert_eq!(
+        c.query_one("SELECT state FROM outbox.status() WHERE name = 'old'", &[])
+            .unwrap()
+            .get::<_, String>(0),
+        "held by horizon"
+    );
+    long.batch_execute("COMMIT").unwrap();
+    let total = short + raised_long as usize;
+    let mut puller = db.connect();
+    pulled.extend(
+        pull_until(&mut puller, "pull", 3, |consumed| {
+            consumed.len() == raised_long as usize
+        })
+        .into_iter()
+        .map(|(_, w, k, j)| (w, k, j)),
+    );
+    pg_outbox_tests::eventually(
+        "the long transaction's events everywhere",
+        Duration::from_secs(60),
+        || {
+            (sql(&mut c).len() == total && jobs(&mut c).len() == total && http(&rx).len() == total)
+                .then_some(())
+        },
+    );
+    for (what, got) in [
+        ("sql", sql(&mut c)),
+        ("pull", pulled),
+        ("sub", jobs(&mut c)),
+        ("http", http(&rx)),
+    ] {
+        assert_eq!(got.len(), total, "{what}: every committed event once");
+        let first_of = check_order(what, &got, &committed, LONG);
+        // The long transaction, visible last, comes last, whole.
+        assert_eq!(first_of[&(LONG, 0)], total - raised_long as usize, "{what}");
+    }
+}

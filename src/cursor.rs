@@ -401,6 +401,8 @@ fn alter_consumer(consumer: Option<&str>, options: Option<pgrx::JsonB>) {
         }
         .report(),
         (Some(true), false) => {
+            // Held until commit: pruning keeps the ticks this batch goes on from (ticks::prune).
+            lock_cursors_shared();
             let batch = start_batch(found.cursor, "outbox.alter_consumer()");
             as_owner(|| {
                 Spi::run_with_args(

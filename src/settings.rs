@@ -125,9 +125,9 @@ pub fn init() {
     GucRegistry::define_enum_guc(
         c"pg_outbox.read_by",
         c"How sinks, pull consumers and subscriptions created from now on read the log: by the read horizon or by ticks.",
-        c"Each reader keeps the mode it was created with; alter_sink, alter_consumer and alter_subscription turn one to ticks.",
+        c"Each reader keeps the mode it was created with; alter_sink, alter_consumer and alter_subscription turn one to ticks. A superuser's choice (for a database: ALTER DATABASE ... SET): reading by ticks makes the workers tick every round.",
         &READ_BY,
-        GucContext::Userset,
+        GucContext::Suset,
         GucFlags::default(),
     );
     GucRegistry::define_string_guc(

@@ -70,25 +70,30 @@ pub const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 /// ticks after it), but the newest (the next tick is numbered after it, and its batch starts from
 /// it; a reader that starts reading by ticks starts at it). A reader moves to later ticks only, so
 /// a cursor this does not see yet is past what it deletes, or starts at a tick it keeps or one
-/// whose snapshots that reader already holds.
+/// whose snapshots that reader already holds; but for a pull consumer that started its batch in a
+/// transaction still open (`cursor::start_batch`, under the cursors lock shared): it may have read
+/// on through the ticks after its own, and advance through them once it commits. While such a
+/// transaction may be running (the cursors lock is not free), the ticks taken since the oldest
+/// running transaction began are kept too.
 pub fn prune() -> i64 {
     if !crate::dispatch::lock_tables() {
         return 0;
     }
+    let nobody_starting = crate::lease::cursors_exclusive(false);
     as_owner(|| {
         Spi::connect_mut(|client| {
             plans::update(
                 client,
                 "WITH gone AS (DELETE FROM outbox.ticks t \
                                WHERE t.tick OPERATOR(pg_catalog.<) (SELECT pg_catalog.max(n.tick) FROM outbox.ticks n) \
-                                 AND NOT EXISTS (SELECT FROM outbox.consumers c \
-                                                  WHERE c.tick OPERATOR(pg_catalog.<) t.tick) \
-                                 AND pg_catalog.pg_snapshot_xmax(t.snapshot) OPERATOR(pg_catalog.<=) \
-                                     (SELECT pg_catalog.pg_snapshot_xmin(outbox._log_snapshot()::pg_catalog.pg_snapshot)) \
+                                 AND t.tick OPERATOR(pg_catalog.<=) \
+                                     coalesce((SELECT pg_catalog.min(c.tick) FROM outbox.consumers c), 9223372036854775807) \
+                                 AND ($1 OR pg_catalog.pg_snapshot_xmax(t.snapshot) OPERATOR(pg_catalog.<=) \
+                                     (SELECT pg_catalog.pg_snapshot_xmin(outbox._log_snapshot()::pg_catalog.pg_snapshot))) \
                               RETURNING 1) \
                  SELECT pg_catalog.count(*) FROM gone",
                 Some(1),
-                &[],
+                &[pgrx::datum::DatumWithOid::from(nobody_starting)],
             )?
             .first()
             .get_one::<i64>()

@@ -1988,6 +1988,18 @@ fn pg_outbox_read_by_chooses_how_the_readers_created_from_then_on_read() {
         "horizon"
     );
     assert_eq!(sqlstate(&mut c, "SET pg_outbox.read_by = 'xmin'"), "22023");
+    // A superuser's choice: a role could otherwise make the workers tick every round.
+    c.batch_execute(&format!(
+        "DO $$ BEGIN CREATE ROLE ticks_chooser LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$; \
+         GRANT CONNECT ON DATABASE \"{}\" TO ticks_chooser",
+        db.name
+    ))
+    .unwrap();
+    let mut tenant = db.connect_as("ticks_chooser");
+    assert_eq!(
+        sqlstate(&mut tenant, "SET pg_outbox.read_by = 'ticks'"),
+        "42501"
+    );
     assert_eq!(
         sqlstate(
             &mut c,

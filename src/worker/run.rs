@@ -313,12 +313,18 @@ impl Worker {
                 } else {
                     ((Vec::new(), Some(Vec::new())), None, false, false, false)
                 };
+            // The round's tick, last, in this transaction (one commit less a round; the tick
+            // lock is held for the moment until it commits): but not while a restored log waits
+            // to be adopted (below), and in a subtransaction, so that a tick that cannot be
+            // taken does not undo the round.
+            let ticked = (ticking && !restored)
+                .then(|| crate::transaction::in_subtransaction(crate::ticks::take).map(|_| ()));
             (
                 state,
                 sinks,
                 subscriptions,
                 schedule_due_in,
-                (restored, ticking),
+                (restored, ticking, ticked),
                 waiting,
             )
         });
@@ -327,7 +333,7 @@ impl Worker {
             sinks,
             (subscriptions, subscriptions_read),
             schedule_due_in,
-            (restored, ticking),
+            (restored, ticking, ticked),
             waiting,
         ) = match round {
             Ok(round) => round,
@@ -401,7 +407,11 @@ impl Worker {
         // not while a restored log waits to be adopted: its snapshot would be in the terms of an
         // epoch that is not settled yet.
         if adopted && ticking {
-            if let Err(e) = in_transaction(crate::ticks::take) {
+            let tick = match ticked {
+                Some(taken) => taken,
+                None => in_transaction(crate::ticks::take).map(|_| ()),
+            };
+            if let Err(e) = tick {
                 self.failed(&format!("taking a tick: {e}"));
             }
             // The ticks readers have passed go often: a tick a round makes many.

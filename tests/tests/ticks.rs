@@ -1223,7 +1223,9 @@ fn a_pull_consumer_that_reads_by_ticks_gets_every_event_once_while_a_long_transa
     let stop = Arc::new(AtomicBool::new(false));
     let (writers, committed, _) = spawn_writers(&db, 8, 0x9E37_79B9_7F4A_7C15, 4000, 5, &stop);
     // The consumer reads while the writers write, and goes on until it has every short event.
-    let writing = stop.clone();
+    // Done once every writer has returned (its last commit counted).
+    let written = Arc::new(AtomicBool::new(false));
+    let writing = written.clone();
     let shared = committed.clone();
     let mut puller = db.connect();
     let reader = std::thread::spawn(move || {
@@ -1245,6 +1247,7 @@ fn a_pull_consumer_that_reads_by_ticks_gets_every_event_once_while_a_long_transa
     for w in writers {
         w.join().unwrap();
     }
+    written.store(true, Ordering::SeqCst);
     let mut consumed = reader.join().unwrap();
     let committed = committed.lock().unwrap().clone();
     let short: i64 = committed.values().map(|(_, _, e)| *e as i64).sum();
@@ -2050,7 +2053,9 @@ fn every_kind_of_reader_by_ticks_gets_every_event_in_order_while_a_30_s_transact
         .unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let (writers, committed, _) = spawn_writers(&db, 8, 0x1C69_B3F7_4AD2_0E55, 20_000, 4, &stop);
-    let writing = stop.clone();
+    // Done once every writer has returned (its last commit counted).
+    let written = Arc::new(AtomicBool::new(false));
+    let writing = written.clone();
     let shared = committed.clone();
     let mut puller = db.connect();
     let reader = std::thread::spawn(move || {
@@ -2082,6 +2087,7 @@ fn every_kind_of_reader_by_ticks_gets_every_event_in_order_while_a_30_s_transact
     for w in writers {
         w.join().unwrap();
     }
+    written.store(true, Ordering::SeqCst);
     let mut pulled: Vec<(i32, i32, i32)> = reader
         .join()
         .unwrap()

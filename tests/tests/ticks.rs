@@ -1194,6 +1194,35 @@ fn pull_until(
     consumed
 }
 
+/// Reads pull consumer `consumer` on a thread of its own (as `pull_until`) until every event the
+/// writers committed is consumed, counted once `written` is set (every writer returned, its last
+/// commit counted). What it consumed.
+fn pull_while_writing(
+    db: &pg_outbox_tests::TestDb,
+    consumer: &'static str,
+    seed: u64,
+    committed: &Committed,
+) -> (Arc<AtomicBool>, std::thread::JoinHandle<Vec<Pulled>>) {
+    let written = Arc::new(AtomicBool::new(false));
+    let (writing, shared) = (written.clone(), committed.clone());
+    let mut puller = db.connect();
+    let reader = std::thread::spawn(move || {
+        pull_until(&mut puller, consumer, seed, |consumed| {
+            if !writing.load(Ordering::SeqCst) {
+                return false;
+            }
+            let short: usize = shared
+                .lock()
+                .unwrap()
+                .values()
+                .map(|(_, _, e)| *e as usize)
+                .sum();
+            consumed.len() >= short
+        })
+    });
+    (written, reader)
+}
+
 #[test]
 fn a_pull_consumer_that_reads_by_ticks_gets_every_event_once_while_a_long_transaction_is_open() {
     let db = worker_db("ticks_pull");
@@ -1223,25 +1252,7 @@ fn a_pull_consumer_that_reads_by_ticks_gets_every_event_once_while_a_long_transa
     let stop = Arc::new(AtomicBool::new(false));
     let (writers, committed, _) = spawn_writers(&db, 8, 0x9E37_79B9_7F4A_7C15, 4000, 5, &stop);
     // The consumer reads while the writers write, and goes on until it has every short event.
-    // Done once every writer has returned (its last commit counted).
-    let written = Arc::new(AtomicBool::new(false));
-    let writing = written.clone();
-    let shared = committed.clone();
-    let mut puller = db.connect();
-    let reader = std::thread::spawn(move || {
-        pull_until(&mut puller, "puller", 0xD1B5_4A32_D192_ED03, |consumed| {
-            if !writing.load(Ordering::SeqCst) {
-                return false;
-            }
-            let short: i64 = shared
-                .lock()
-                .unwrap()
-                .values()
-                .map(|(_, _, e)| *e as i64)
-                .sum();
-            consumed.len() as i64 >= short
-        })
-    });
+    let (written, reader) = pull_while_writing(&db, "puller", 0xD1B5_4A32_D192_ED03, &committed);
     std::thread::sleep(Duration::from_secs(3));
     stop.store(true, Ordering::SeqCst);
     for w in writers {
@@ -2053,25 +2064,7 @@ fn every_kind_of_reader_by_ticks_gets_every_event_in_order_while_a_30_s_transact
         .unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let (writers, committed, _) = spawn_writers(&db, 8, 0x1C69_B3F7_4AD2_0E55, 20_000, 4, &stop);
-    // Done once every writer has returned (its last commit counted).
-    let written = Arc::new(AtomicBool::new(false));
-    let writing = written.clone();
-    let shared = committed.clone();
-    let mut puller = db.connect();
-    let reader = std::thread::spawn(move || {
-        pull_until(&mut puller, "pull", 0xA076_1D64_78BD_642F, |consumed| {
-            if !writing.load(Ordering::SeqCst) {
-                return false;
-            }
-            let short: usize = shared
-                .lock()
-                .unwrap()
-                .values()
-                .map(|(_, _, e)| *e as usize)
-                .sum();
-            consumed.len() >= short
-        })
-    });
+    let (written, reader) = pull_while_writing(&db, "pull", 0xA076_1D64_78BD_642F, &committed);
     let mut raised_long = 1;
     let began = Instant::now();
     while began.elapsed() < Duration::from_secs(seconds) {

@@ -32,6 +32,12 @@ CREATE UNIQUE INDEX jobs_waiting_key ON outbox.jobs (queue, key)
 CREATE UNIQUE INDEX jobs_waiting_run ON outbox.jobs (queue, schedule, key)
     WHERE schedule IS NOT NULL AND state = 'waiting';
 
+-- The claim index holds waiting jobs only (0.1.0's held running ones too, which every claim
+-- stepped over); running jobs are found by when their lease lapses.
+DROP INDEX outbox.jobs_claim;
+CREATE INDEX jobs_claim ON outbox.jobs (queue, run_at, id) WHERE state = 'waiting';
+CREATE INDEX jobs_leased ON outbox.jobs (queue, lease_until, id) WHERE state = 'running';
+
 -- Failed deliveries per sink, beside the delivered count (outbox.metrics()). Added without a
 -- default and filled, so the table is exactly a fresh install's (no stored missing value).
 ALTER TABLE outbox.sinks ADD COLUMN failures bigint;
@@ -459,6 +465,8 @@ $$;
 CREATE FUNCTION outbox._claim(queue text, max_jobs integer, lease interval, who oid)
 RETURNS SETOF outbox.job
 LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    ids bigint[];
 BEGIN
     -- Only a name that fails the rule pays for the call that explains why.
     IF queue IS NULL OR queue OPERATOR(pg_catalog.!~) '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$' THEN
@@ -492,22 +500,33 @@ BEGIN
            FOR UPDATE SKIP LOCKED;
         RETURN;
     END IF;
-    -- Waiting jobs that are due, and running jobs whose lease lapsed (their worker died). The
-    -- claim runs from its generic plan (src/queue.rs): the jobs are found by key (an array), not
-    -- joined, whose generic plan (LIMIT unknown) hashes the whole table. Returned in run_at order.
+    -- Running jobs whose lease lapsed (their worker died) first, oldest lease first, then waiting
+    -- jobs that are due, each from its own partial index: jobs_claim holds waiting jobs only, so a
+    -- claim never steps over the jobs other workers are running (their versions are in
+    -- jobs_leased). The claim runs from its generic plan (src/queue.rs): the jobs are found by
+    -- key (an array), not joined, whose generic plan (LIMIT unknown) hashes the whole table.
+    -- Returned in run_at order.
+    ids := ARRAY(
+        SELECT c.id FROM outbox.jobs c
+         WHERE c.queue OPERATOR(pg_catalog.=) _claim.queue AND c.state OPERATOR(pg_catalog.=) 'running'
+           AND c.lease_until OPERATOR(pg_catalog.<) pg_catalog.now() AND c.handler IS NULL
+         ORDER BY c.lease_until, c.id
+         LIMIT max_jobs
+           FOR UPDATE SKIP LOCKED);
+    IF pg_catalog.cardinality(ids) OPERATOR(pg_catalog.<) max_jobs THEN
+        ids := ids OPERATOR(pg_catalog.||) ARRAY(
+            SELECT c.id FROM outbox.jobs c
+             WHERE c.queue OPERATOR(pg_catalog.=) _claim.queue AND c.state OPERATOR(pg_catalog.=) 'waiting'
+               AND c.run_at OPERATOR(pg_catalog.<=) pg_catalog.now() AND c.handler IS NULL
+             ORDER BY c.run_at, c.id
+             LIMIT max_jobs OPERATOR(pg_catalog.-) pg_catalog.cardinality(ids)
+               FOR UPDATE SKIP LOCKED);
+    END IF;
     RETURN QUERY
     WITH claimed AS (
         UPDATE outbox.jobs j SET state = 'running', lease_until = pg_catalog.now() OPERATOR(pg_catalog.+) lease,
                attempts = j.attempts OPERATOR(pg_catalog.+) 1
-         WHERE j.id OPERATOR(pg_catalog.=) ANY (ARRAY(
-            SELECT c.id FROM outbox.jobs c
-             WHERE c.queue OPERATOR(pg_catalog.=) _claim.queue AND c.state OPERATOR(pg_catalog.<>) 'dead'
-               AND c.run_at OPERATOR(pg_catalog.<=) pg_catalog.now()
-               AND (c.state OPERATOR(pg_catalog.=) 'waiting' OR c.lease_until OPERATOR(pg_catalog.<) pg_catalog.now())
-               AND c.handler IS NULL
-             ORDER BY c.run_at, c.id
-             LIMIT max_jobs
-               FOR UPDATE SKIP LOCKED))
+         WHERE j.id OPERATOR(pg_catalog.=) ANY (ids)
         RETURNING j.id, j.queue, j.payload, j.key, j.attempts, j.max_attempts, j.lease_until, j.created_at,
                   j.event, j.subscription, j.run_at)
     SELECT k.id, k.queue, k.payload, k.key, k.attempts, k.max_attempts, k.lease_until, k.created_at,
@@ -678,8 +697,8 @@ BEGIN
         SELECT j.id, x.expire_after
           FROM outbox.queues x
           JOIN LATERAL (SELECT j.id FROM outbox.jobs j
-                         WHERE j.queue = x.name AND j.state <> 'dead' AND j.run_at <= now() - x.expire_after
-                           AND j.state = 'waiting' AND j.attempts = 0 AND j.handler IS NULL
+                         WHERE j.queue = x.name AND j.state = 'waiting' AND j.run_at <= now() - x.expire_after
+                           AND j.attempts = 0 AND j.handler IS NULL
                            FOR UPDATE OF j SKIP LOCKED) j ON true
          WHERE x.expire_after IS NOT NULL)
     UPDATE outbox.jobs j
@@ -713,7 +732,7 @@ BEGIN
       INTO due_in
       FROM outbox.queues x
       LEFT JOIN LATERAL (SELECT j.run_at FROM outbox.jobs j
-                          WHERE j.queue = x.name AND j.state <> 'dead' AND j.run_at > now()
+                          WHERE j.queue = x.name AND j.state = 'waiting' AND j.run_at > now()
                           ORDER BY j.run_at LIMIT 1) n ON true
       LEFT JOIN LATERAL (SELECT j.run_at + x.expire_after AS expires FROM outbox.jobs j
                           WHERE x.expire_after IS NOT NULL AND j.queue = x.name AND j.state = 'waiting'

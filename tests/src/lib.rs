@@ -403,3 +403,22 @@ pub fn position(text: &str) -> (u64, i64) {
     let (t, s) = text.split_once(':').expect("position has a colon");
     (t.parse().unwrap(), s.parse().unwrap())
 }
+
+/// Shared buffers a statement touched (hit or read), from EXPLAIN (ANALYZE, BUFFERS): the first
+/// "Buffers:" line is the top node's, which counts everything below it.
+pub fn buffers(c: &mut Client, sql: &str) -> i64 {
+    let plan: Vec<String> = c
+        .query(&format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"), &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let line = plan
+        .iter()
+        .find(|l| l.trim_start().starts_with("Buffers:"))
+        .unwrap_or_else(|| panic!("no buffers in {plan:#?}"));
+    line.split_whitespace()
+        .filter_map(|w| w.strip_prefix("hit=").or_else(|| w.strip_prefix("read=")))
+        .map(|n| n.parse::<i64>().unwrap())
+        .sum()
+}

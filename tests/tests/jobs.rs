@@ -1,7 +1,7 @@
 //! The job queue for external workers: enqueue, claim with SKIP LOCKED, complete, fail with
 //! retries and death, leases that lapse, replay of dead jobs, and refusals.
 
-use pg_outbox_tests::{eventually, sqlstate, test_db, TestDb};
+use pg_outbox_tests::{buffers, eventually, sqlstate, test_db, TestDb};
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::GenericClient;
 use std::collections::HashSet;
@@ -177,6 +177,94 @@ fn a_lapsed_lease_is_claimed_again_and_extend_keeps_it() {
         [(a, 2)],
         "only the lapsed one, on its second attempt"
     );
+}
+
+/// The claim index holds waiting jobs only: a claim goes straight to them past any number of jobs
+/// other workers are running, and takes a job whose lease lapsed before waiting ones, even one due
+/// earlier.
+#[test]
+fn a_claim_steps_over_no_running_job_and_takes_lapsed_leases_first() {
+    let db = test_db("jobs_claim_index");
+    let mut c = db.connect();
+    let ids = |c: &mut postgres::Client, sql: &str| -> Vec<i64> {
+        c.query(sql, &[])
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    let lapsing = ids(
+        &mut c,
+        "SELECT outbox.enqueue('q', run_at => now() - interval '2 hours')",
+    )[0];
+    let claimed = ids(
+        &mut c,
+        "SELECT id FROM outbox.claim('q', 1, '200 milliseconds')",
+    );
+    assert_eq!(claimed, [lapsing]);
+    // 3,000 jobs running under a long lease, each of 1.3 kB (six to a page: reading them reads
+    // 500 pages).
+    c.batch_execute(
+        "SELECT outbox.enqueue('q', jsonb_build_object('pad', repeat(md5(i::text), 40)))
+           FROM generate_series(1, 3000) i",
+    )
+    .unwrap();
+    for _ in 0..3 {
+        let n = ids(&mut c, "SELECT id FROM outbox.claim('q', 1000, '1 hour')").len();
+        assert_eq!(n, 1000);
+    }
+    // Waiting: one due before the lapsing job was, two behind the running ones.
+    let early = ids(
+        &mut c,
+        "SELECT outbox.enqueue('q', run_at => now() - interval '3 hours')",
+    )[0];
+    let behind = ids(
+        &mut c,
+        "SELECT outbox.enqueue('q') FROM generate_series(1, 2)",
+    );
+    eventually("the short lease to lapse", Duration::from_secs(10), || {
+        c.query_opt(
+            "SELECT 1 FROM outbox.jobs WHERE id = $1 AND lease_until < now()",
+            &[&lapsing],
+        )
+        .unwrap()
+    });
+    let first: Vec<(i64, i32)> = c
+        .query(
+            "SELECT id, attempts FROM outbox.claim('q', 1, '1 hour')",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        first,
+        [(lapsing, 2)],
+        "the lapsed lease before a waiting job due earlier"
+    );
+    let next = ids(&mut c, "SELECT id FROM outbox.claim('q', 2, '1 hour')");
+    assert_eq!(
+        next,
+        [early, behind[0]],
+        "then waiting jobs in run_at order"
+    );
+    // With 3,002 jobs running ahead of it in run_at order (and no dead index entries: vacuumed),
+    // claiming the last waiting job reads a handful of pages, not the running jobs' rows (a
+    // claim index that held running jobs too made every claim read them all: over 500 buffers).
+    c.batch_execute("VACUUM outbox.jobs").unwrap();
+    let read = buffers(&mut c, "SELECT * FROM outbox.claim('q', 1, '1 hour')");
+    assert!(read < 300, "claiming one job touched {read} buffers");
+    let waiting = ids(&mut c, "SELECT id FROM outbox.jobs WHERE state = 'waiting'");
+    assert!(waiting.is_empty(), "the last claim took {:?}", behind[1]);
+    let running: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.jobs WHERE state = 'running'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(running, 3004);
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //! order, the short transactions are read while the long one is still open, and each transaction
 //! is in the first tick taken after its commit returned.
 
-use pg_outbox_tests::{sqlstate, test_db, worker_db};
+use pg_outbox_tests::{buffers, sqlstate, test_db, worker_db};
 use postgres::Client;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -551,25 +551,6 @@ impl Drop for Setting<'_> {
     fn drop(&mut self) {
         self.db.cluster().set(self.name, self.default);
     }
-}
-
-/// Shared buffers a statement touched (hit or read), from EXPLAIN (ANALYZE, BUFFERS): the first
-/// "Buffers:" line is the top node's, which counts everything below it.
-fn buffers(c: &mut Client, sql: &str) -> i64 {
-    let plan: Vec<String> = c
-        .query(&format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"), &[])
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let line = plan
-        .iter()
-        .find(|l| l.trim_start().starts_with("Buffers:"))
-        .unwrap_or_else(|| panic!("no buffers in {plan:#?}"));
-    line.split_whitespace()
-        .filter_map(|w| w.strip_prefix("hit=").or_else(|| w.strip_prefix("read=")))
-        .map(|n| n.parse::<i64>().unwrap())
-        .sum()
 }
 
 #[test]

@@ -5,7 +5,8 @@
 //!
 //! Run through `bash benches/subscriptions.sh` (builds and installs the release build first).
 //! BENCH_EVENTS (default 20000) sets the events per fan-out run, BENCH_JOBS (default 100000) the
-//! jobs per run of the handler.
+//! jobs per run of the handler, BENCH_FANOUT_SUBS one count of subscriptions to fan out to (default
+//! 1, 10 and 100).
 
 use pg_outbox_benches::{
     drain_until_empty, env_or, head, record, record_ratio, record_x_unit, with_bench_cluster,
@@ -244,7 +245,12 @@ fn main() {
             "{:<16} {:>22} {:>12}   runs",
             "subscriptions", "µs per event per sub", "jobs written"
         );
-        for subs in [1, 10, 100] {
+        // BENCH_FANOUT_SUBS: one count of subscriptions only (to profile it, say).
+        let counts: Vec<usize> = match env_or("BENCH_FANOUT_SUBS", 0usize) {
+            0 => vec![1, 10, 100],
+            n => vec![n],
+        };
+        for subs in counts {
             // At least 200,000 evaluations per run, so that fixed costs do not dominate.
             let n = events.max(env_or("BENCH_MIN_EVALUATIONS", 200_000) / subs as i64);
             let mut each: Vec<(f64, i64)> = (0..runs).map(|_| fanout(c, subs, n)).collect();

@@ -484,6 +484,53 @@ fn a_sink_altered_to_commit_without_waiting_does_so_and_only_it() {
     assert_eq!(setting, "on");
 }
 
+/// The workers run their statements from cached plans, whose JIT code would be compiled again at
+/// every execution: they run without JIT, whatever the database says, and a handler that wants
+/// it says so in its own definition.
+#[test]
+fn the_workers_run_without_jit_and_a_handler_may_ask_for_it() {
+    let (db, mut c) = setup("sink_jit");
+    c.batch_execute(&format!(
+        "ALTER DATABASE \"{}\" SET jit = on;
+         CREATE TABLE seen (handler text, jit text);
+         CREATE FUNCTION plain(events outbox.event[]) RETURNS void LANGUAGE plpgsql AS $$ BEGIN
+           INSERT INTO seen SELECT 'plain', current_setting('jit') FROM unnest(events);
+         END $$;
+         CREATE FUNCTION wants_jit(events outbox.event[]) RETURNS void LANGUAGE plpgsql
+           SET jit = on AS $$ BEGIN
+           INSERT INTO seen SELECT 'wants_jit', current_setting('jit') FROM unnest(events);
+         END $$;
+         SELECT outbox.create_sink('plain', 'plain(outbox.event[])');
+         SELECT outbox.create_sink('wants_jit', 'wants_jit(outbox.event[])');",
+        db.name
+    ))
+    .unwrap();
+    // Workers that connected before the ALTER DATABASE would not see it: restart them.
+    c.batch_execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+          WHERE backend_type = 'pg_outbox worker' AND datname = current_database()",
+    )
+    .unwrap();
+    c.batch_execute("SELECT outbox.raise('order.placed', '{}') FROM generate_series(1, 3)")
+        .unwrap();
+    eventually("both handlers' events", Duration::from_secs(30), || {
+        (count(&mut c, "SELECT count(*) FROM seen") == 6).then_some(())
+    });
+    let seen: Vec<(String, String)> = c
+        .query("SELECT DISTINCT handler, jit FROM seen ORDER BY 1", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("plain".to_string(), "off".to_string()),
+            ("wants_jit".to_string(), "on".to_string())
+        ]
+    );
+}
+
 fn kill9(pid: i32) {
     let status = std::process::Command::new("kill")
         .args(["-KILL", &pid.to_string()])

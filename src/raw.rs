@@ -4,6 +4,7 @@
 //! the way out). `raise` only needs to know that a payload is an object and to hand the very same
 //! datum to the INSERT, so these types keep the datum as Postgres gave it.
 
+use pg_outbox_core::filter::Scalar;
 use pgrx::callconv::{Arg, ArgAbi};
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys;
@@ -235,6 +236,72 @@ impl RawJsonb {
                 }
             }
             Fields::Of(fields)
+        }
+    }
+}
+
+impl RawJsonb {
+    /// The top-level fields `keys` of an object as native filters read them
+    /// (`pg_outbox_core::filter::native`), into `out`, one per key in order: absent, a scalar as
+    /// `fields` would give it to CEL (numbers by the same printing and parsing), or `Other`
+    /// (a nested value, a string that is not UTF-8). Of a value that is not an object, all
+    /// `Other`.
+    ///
+    /// # Safety
+    /// The strings borrow the value detoasted into the current memory context: `'a` ends before
+    /// that context is reset or deleted.
+    pub unsafe fn scalars<'a>(self, keys: &[String], out: &mut Vec<Scalar<'a>>) {
+        out.clear();
+        // SAFETY: the datum is a non-null jsonb, detoasted (aligned) into the current memory
+        // context; the JsonbValues found point into it.
+        unsafe {
+            let jsonb = pg_sys::pg_detoast_datum(self.0.cast_mut_ptr()).cast::<pg_sys::Jsonb>();
+            let root = std::ptr::addr_of_mut!((*jsonb).root);
+            if (*root).header & pg_sys::JB_FOBJECT == 0 {
+                out.extend(keys.iter().map(|_| Scalar::Other));
+                return;
+            }
+            let mut found = std::mem::MaybeUninit::<pg_sys::JsonbValue>::zeroed();
+            for key in keys {
+                let v = pg_sys::getKeyJsonValueFromContainer(
+                    root,
+                    key.as_ptr().cast(),
+                    key.len() as std::ffi::c_int,
+                    found.as_mut_ptr(),
+                );
+                out.push(if v.is_null() {
+                    Scalar::Absent
+                } else {
+                    scalar(&*v)
+                });
+            }
+        }
+    }
+}
+
+/// A JsonbValue as a native filter reads it.
+///
+/// # Safety
+/// `v` is a value `getKeyJsonValueFromContainer` returned, its data alive for `'a`.
+unsafe fn scalar<'a>(v: &pg_sys::JsonbValue) -> Scalar<'a> {
+    use pg_sys::jbvType;
+    // SAFETY: the union's member is the one `type_` says; strings point into the value.
+    unsafe {
+        match v.type_ {
+            jbvType::jbvNull => Scalar::Null,
+            jbvType::jbvBool => Scalar::Bool(v.val.boolean),
+            jbvType::jbvString => {
+                let bytes = std::slice::from_raw_parts::<'a, u8>(
+                    v.val.string.val.cast::<u8>(),
+                    v.val.string.len as usize,
+                );
+                std::str::from_utf8(bytes).map_or(Scalar::Other, Scalar::string)
+            }
+            jbvType::jbvNumeric => match scalar_or_container_json(v) {
+                Ok(serde_json::Value::Number(n)) => Scalar::number(&n),
+                _ => Scalar::Other,
+            },
+            _ => Scalar::Other,
         }
     }
 }

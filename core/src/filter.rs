@@ -11,6 +11,9 @@ use cel::{Context, Program, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+pub mod native;
+pub use native::{Operand, Scalar};
+
 /// The variables a predicate may use.
 pub const VARIABLES: [&str; 6] = [
     "topic",
@@ -43,6 +46,8 @@ pub struct Filter {
     /// them (None: it needs the whole value).
     payload_fields: Option<Vec<String>>,
     headers_fields: Option<Vec<String>>,
+    /// The filter for the native evaluator, when it is one it takes.
+    native: Option<native::Native>,
 }
 
 /// What a set of filters reads of an event: the variables, and of payload and headers the
@@ -469,6 +474,7 @@ impl Filter {
         let uses = VARIABLES.map(|v| variables.contains(&v));
         let payload_fields = selected_fields(program.expression(), "payload", &bound);
         let headers_fields = selected_fields(program.expression(), "headers", &bound);
+        let native = native::Native::compile(program.expression());
         let guarded = crate::budget::instrument(program.expression());
         // The hooks deepen the tree the interpreter recurses over; within this, what passed the
         // check above stays within a backend's stack (tested in a 2 MB thread).
@@ -484,6 +490,7 @@ impl Filter {
             uses,
             payload_fields,
             headers_fields,
+            native,
         })
     }
 
@@ -498,6 +505,18 @@ impl Filter {
             .iter()
             .position(|v| *v == variable)
             .is_some_and(|i| self.uses[i])
+    }
+
+    /// Whether the native evaluator takes this filter ([`native`]).
+    pub fn is_native(&self) -> bool {
+        self.native.is_some()
+    }
+
+    /// The verdict of the native evaluator, when it is certain to be what [`Filter::matches_in`]
+    /// gives; None: evaluate with `matches_in`. `get` gives the event's fields (payload and
+    /// headers fields as [`Scalar`]s of what CEL would be handed).
+    pub fn native_verdict<'a>(&self, get: &mut impl FnMut(&Operand) -> Scalar<'a>) -> Option<bool> {
+        self.native.as_ref()?.verdict(get)
     }
 
     /// Whether the event matches. An error (a missing field, a type mismatch, a result that is

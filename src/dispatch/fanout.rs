@@ -16,7 +16,7 @@ use super::PassResult;
 use crate::cursor::{self, At, Batch};
 use crate::plans;
 use crate::transaction::refresh_snapshot;
-use pg_outbox_core::filter::{EventContext, EventFields, Filter, Needs};
+use pg_outbox_core::filter::{EventContext, EventFields, Filter, Needs, Operand, Scalar};
 use pg_outbox_core::pattern::Pattern;
 use pg_outbox_core::Position;
 use pgrx::datum::DatumWithOid;
@@ -628,19 +628,24 @@ fn fan_out(
             let verdict = match &sub.filter {
                 None => Ok(true),
                 Some(Err(e)) => Err(e.clone()),
-                Some(Ok(filter)) => {
-                    let context = reader.context(class.expect("a filter has a class"));
-                    let started = std::time::Instant::now();
-                    let verdict = filter.matches_in(context);
-                    if pg_outbox_core::budget::interrupted() {
-                        pg_sys::check_for_interrupts!();
+                // Decided natively when it can be (no context built, bounded work: no time
+                // counted), else by CEL.
+                Some(Ok(filter)) => match reader.native_verdict(filter) {
+                    Some(verdict) => Ok(verdict),
+                    None => {
+                        let context = reader.context(class.expect("a filter has a class"));
+                        let started = std::time::Instant::now();
+                        let verdict = filter.matches_in(context);
+                        if pg_outbox_core::budget::interrupted() {
+                            pg_sys::check_for_interrupts!();
+                        }
+                        sub.spent += started.elapsed();
+                        if sub.spent > PASS_FILTER_BUDGET {
+                            sub.stopped_at = Some(position);
+                        }
+                        verdict
                     }
-                    sub.spent += started.elapsed();
-                    if sub.spent > PASS_FILTER_BUDGET {
-                        sub.stopped_at = Some(position);
-                    }
-                    verdict
-                }
+                },
             };
             match verdict {
                 Ok(true) => {
@@ -891,6 +896,12 @@ struct EventReader<'w> {
     headers_fields: Option<crate::raw::Fields>,
     payload_whole: Option<Result<serde_json::Value, String>>,
     headers_whole: Option<Result<serde_json::Value, String>>,
+    /// The fields of `Reads::payload_keys` (and `headers_keys`) as native filters read them,
+    /// borrowing the values detoasted into `cx`: they never leave the reader, which is dropped
+    /// before `cx` is reset.
+    payload_scalars: Option<Vec<Scalar<'w>>>,
+    headers_scalars: Option<Vec<Scalar<'w>>>,
+    /// Built on first use (most windows' filters never need one).
     contexts: Vec<Option<EventContext<'static>>>,
     /// Where what PostgreSQL makes of the event's values goes (detoasted copies, printed text).
     cx: pg_sys::MemoryContext,
@@ -907,12 +918,73 @@ impl<'w> EventReader<'w> {
             headers_fields: None,
             payload_whole: None,
             headers_whole: None,
-            contexts: (0..reads.classes.len()).map(|_| None).collect(),
+            payload_scalars: None,
+            headers_scalars: None,
+            contexts: Vec::new(),
         }
+    }
+
+    /// The verdict of `filter`'s native evaluator on this event, when it gives one (then it is
+    /// the verdict CEL would give: `pg_outbox_core::filter::native`).
+    fn native_verdict(&mut self, filter: &Filter) -> Option<bool> {
+        if !filter.is_native() {
+            return None;
+        }
+        filter.native_verdict(&mut |o| self.scalar(o))
+    }
+
+    /// A field of the event as a native filter reads it.
+    fn scalar(&mut self, o: &Operand) -> Scalar<'w> {
+        let row = self.row;
+        let text = |s: Option<&'w str>| s.map_or(Scalar::Null, Scalar::string);
+        match o {
+            Operand::Topic => Scalar::string(self.topic),
+            Operand::Subject => text(allocating_in(self.cx, || row.text(Column::Subject))),
+            Operand::Tenant => text(allocating_in(self.cx, || row.text(Column::Tenant))),
+            Operand::RaisedAt => Scalar::string(row.text(Column::RaisedAtText).unwrap_or_default()),
+            Operand::Payload(key) => self.field(true, key),
+            Operand::Headers(key) => self.field(false, key),
+        }
+    }
+
+    /// A top-level field of payload (or headers), of the ones some filter of the window selects.
+    fn field(&mut self, payload: bool, key: &str) -> Scalar<'w> {
+        let (keys, column, cache) = if payload {
+            (
+                &self.reads.payload_keys,
+                Column::Payload,
+                &mut self.payload_scalars,
+            )
+        } else {
+            (
+                &self.reads.headers_keys,
+                Column::Headers,
+                &mut self.headers_scalars,
+            )
+        };
+        let (row, cx) = (self.row, self.cx);
+        let scalars = cache.get_or_insert_with(|| {
+            let mut scalars = Vec::with_capacity(keys.len());
+            match row.get(column) {
+                None => scalars.extend(keys.iter().map(|_| Scalar::Other)),
+                // SAFETY: detoasted into `cx`, which outlives the reader (see payload_scalars).
+                Some(d) => allocating_in(cx, || unsafe {
+                    crate::raw::RawJsonb(d).scalars(keys, &mut scalars)
+                }),
+            }
+            scalars
+        });
+        let i = keys
+            .binary_search_by(|k| k.as_str().cmp(key))
+            .expect("a filter's fields are among the window's keys");
+        scalars[i]
     }
 
     /// The context of filters of class `class`.
     fn context(&mut self, class: usize) -> &EventContext<'static> {
+        if self.contexts.is_empty() {
+            self.contexts.resize_with(self.reads.classes.len(), || None);
+        }
         if self.contexts[class].is_none() {
             let needs = &self.reads.classes[class];
             let (payload, headers) = allocating_in(self.cx, || {

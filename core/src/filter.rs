@@ -474,7 +474,12 @@ impl Filter {
         let uses = VARIABLES.map(|v| variables.contains(&v));
         let payload_fields = selected_fields(program.expression(), "payload", &bound);
         let headers_fields = selected_fields(program.expression(), "headers", &bound);
-        let native = native::Native::compile(program.expression());
+        // Only of a filter whose payload and headers fields are known by name: the native
+        // evaluator reads those and nothing else (a name bound by a macro, even one that only
+        // seems to be, leaves the whole value to CEL).
+        let native = (payload_fields.is_some() && headers_fields.is_some())
+            .then(|| native::Native::compile(program.expression()))
+            .flatten();
         let guarded = crate::budget::instrument(program.expression());
         // The hooks deepen the tree the interpreter recurses over; within this, what passed the
         // check above stays within a backend's stack (tested in a 2 MB thread).

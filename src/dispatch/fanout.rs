@@ -974,10 +974,10 @@ impl<'w> EventReader<'w> {
             }
             scalars
         });
-        let i = keys
-            .binary_search_by(|k| k.as_str().cmp(key))
-            .expect("a filter's fields are among the window's keys");
-        scalars[i]
+        // A native filter's fields are among the keys (`Filter::compile`); were one not, CEL
+        // would decide, rather than the pass fail.
+        keys.binary_search_by(|k| k.as_str().cmp(key))
+            .map_or(Scalar::Other, |i| scalars[i])
     }
 
     /// The context of filters of class `class`.

@@ -903,6 +903,9 @@ fn the_native_evaluator_and_cel_agree_on_every_stored_value() {
         r#"subject == null || topic < "u""#,
         "false && payload.v > 0",
         "payload.v > 0 && false",
+        // Text that only looks like a macro binding payload (once a worker's failed assertion,
+        // at every pass, for a field no other filter of the window selects).
+        r#"payload.zzz == "exists(payload, x" || payload.v == 1"#,
     ];
     for (i, p) in predicates.iter().enumerate() {
         for (kind, filter) in [

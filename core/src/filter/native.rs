@@ -653,6 +653,9 @@ mod tests {
             "payload[\"amount\"] > 1",
             "tenant.startsWith(\"ac\")",
             "payload.amount > 1u",
+            // Text that looks like a macro binding payload: the fields are not known by name.
+            "payload.a == \"exists(payload, x\"",
+            "headers.h == \"all(headers, x\" && payload.a == 1",
         ] {
             let filter = Filter::compile(source).expect(source);
             assert!(!filter.is_native(), "{source}");

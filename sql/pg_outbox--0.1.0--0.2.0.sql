@@ -405,6 +405,28 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
      ORDER BY q.name, g.grantee::regrole::text
 $$;
 
+-- Holds the queues `queues` (FOR KEY SHARE) until the transaction ends, or fails (42704) if one
+-- does not exist. Every path that queues jobs calls it, in the transaction of its INSERT, before
+-- or after it: drop_queue takes its queue FOR UPDATE before it counts and deletes the queue's
+-- jobs, so it either waits for that transaction and then sees its jobs, or went first, and then
+-- this fails and the jobs are rolled back. No job outlives its queue. (What the foreign key from
+-- jobs to queues did, once per statement instead of once per row.) Every name is qualified and
+-- nothing is pinned: fan-out calls it once per window.
+CREATE FUNCTION outbox._hold_queues(queues text[]) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    missing text;
+BEGIN
+    SELECT pg_catalog.min(n) INTO missing
+      FROM pg_catalog.unnest(queues) n
+     WHERE NOT EXISTS (SELECT FROM outbox.queues q WHERE q.name OPERATOR(pg_catalog.=) n FOR KEY SHARE);
+    IF missing IS NOT NULL THEN
+        RAISE EXCEPTION 'queue "%" does not exist', missing USING ERRCODE = 'undefined_object',
+            HINT = 'it was dropped while jobs were being queued on it';
+    END IF;
+END
+$$;
+
 -- outbox.enqueue() (src/queue.rs) for the role `who`.
 CREATE FUNCTION outbox._enqueue(queue text, payload jsonb, run_at timestamptz, key text, max_attempts integer, who oid)
 RETURNS bigint
@@ -433,6 +455,7 @@ BEGIN
     IF NOT outbox._may(queue, who, 'enqueue') THEN
         PERFORM outbox._use_queue(queue, who, 'enqueue');
     END IF;
+    PERFORM outbox._hold_queues(ARRAY[queue]);
     INSERT INTO outbox.jobs AS j (queue, payload, key, run_at, max_attempts)
     VALUES (queue, coalesce(payload, '{}'), key, coalesce(run_at, now()), max_attempts)
     ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL AND schedule IS NULL
@@ -1024,6 +1047,7 @@ BEGIN
         ON CONFLICT (queue, schedule, key) WHERE schedule IS NOT NULL AND state = 'waiting' DO NOTHING;
         GET DIAGNOSTICS n = ROW_COUNT;
         IF n > 0 THEN
+            PERFORM outbox._hold_queues(ARRAY[s.queue]);
             -- External workers of the queue are woken once this commits (src/worker).
             PERFORM outbox._announce(s.queue);
         END IF;
@@ -1153,6 +1177,8 @@ BEGIN
            (SELECT array_agg(DISTINCT q.queue) FROM queued q)
       INTO n, denied, queues
       FROM fired f;
+    -- The queues that got jobs are held until this commits (no job outlives its queue).
+    PERFORM outbox._hold_queues(queues);
     -- External workers of the queues that got jobs are woken once this commits (src/worker).
     PERFORM outbox._announce(q) FROM unnest(queues) q;
     FOREACH d IN ARRAY coalesce(denied, '{}') LOOP
@@ -1846,7 +1872,7 @@ BEGIN
               WHERE p.pronamespace = 'outbox'::pg_catalog.regnamespace
                 AND p.proname = ANY (ARRAY['_event_size', '_read_window', '_read_log', '_may', '_check_may',
                     '_use_queue', '_create_queue', '_owned_queue', '_drop_queue', '_check_grant', '_grant_queue',
-                    '_revoke_queue', 'queue_privileges', '_enqueue', '_claim', '_complete_many',
+                    '_revoke_queue', 'queue_privileges', '_hold_queues', '_enqueue', '_claim', '_complete_many',
                     '_check_job', '_fail', '_extend', '_replay_job', '_status', '_queue_status',
                     'create_queue', 'drop_queue', 'grant_queue', 'revoke_queue',
                     '_start_delivery', 'metrics', '_log_txid', '_log_horizon',
@@ -1920,8 +1946,8 @@ BEGIN
 END
 $$;
 
--- Every job, subscription and schedule names a queue that exists, for as long as it does.
-ALTER TABLE outbox.jobs ADD CONSTRAINT jobs_queue_fkey FOREIGN KEY (queue) REFERENCES outbox.queues (name);
+-- Every subscription and schedule names a queue that exists, for as long as it does. (Jobs too,
+-- by outbox._hold_queues, without a foreign key: its check is a query per row.)
 ALTER TABLE outbox.subscriptions
     ADD CONSTRAINT subscriptions_queue_fkey FOREIGN KEY (queue) REFERENCES outbox.queues (name);
 ALTER TABLE outbox.schedules

@@ -708,6 +708,9 @@ fn fan_out(
         for queue in announced {
             crate::worker::announce_at_commit(queue, None);
         }
+        // In this transaction, not in write_jobs' subtransaction (whose rollback would let go).
+        let held: std::collections::BTreeSet<&String> = queues.iter().collect();
+        hold_queues(client, held.into_iter().cloned().collect());
         // SAFETY: an outbox.event[] built in this SPI connection, still alive.
         let events = unsafe {
             DatumWithOid::new(
@@ -803,6 +806,18 @@ fn write_jobs(client: &mut SpiClient<'_>, args: &[DatumWithOid<'_>], budget: &mu
         }
     }
     plans::update(client, INSERT_SKIPPING_WAITING_SQL, None, args).expect("writing jobs");
+}
+
+/// Holds `queues` until the pass commits (`outbox._hold_queues`: no job outlives its queue). A
+/// queue dropped since its subscription was read fails the pass, which is rolled back.
+fn hold_queues(client: &mut SpiClient<'_>, queues: Vec<String>) {
+    plans::update(
+        client,
+        "SELECT outbox._hold_queues($1)",
+        None,
+        &[DatumWithOid::from(queues)],
+    )
+    .unwrap_or_else(|e| panic!("holding the queues of the jobs: {e}"));
 }
 
 /// Runs WINDOW_SQL after `cursor` (BATCH_WINDOW_SQL within `batch`), with the text columns

@@ -32,9 +32,10 @@ CREATE TABLE outbox.queue_grants (
 
 CREATE TABLE outbox.jobs (
     id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    -- A job's queue exists while it does: drop_queue cannot pull a queue from under a job being
-    -- queued in a transaction still open (the key-share lock of this reference waits for it).
-    queue        text        NOT NULL REFERENCES outbox.queues (name),
+    -- A job's queue exists while it does: every path that queues jobs holds their queues
+    -- (outbox._hold_queues), and drop_queue deletes a queue's jobs with it. No foreign key: its
+    -- check is a query per inserted row, an eighth of a fan-out pass.
+    queue        text        NOT NULL,
     payload      jsonb       NOT NULL DEFAULT '{}' CHECK (pg_catalog.jsonb_typeof(payload) = 'object'),
     key          text,
     run_at       timestamptz NOT NULL DEFAULT pg_catalog.now(),
@@ -308,6 +309,28 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
      ORDER BY q.name, g.grantee::regrole::text
 $$;
 
+-- Holds the queues `queues` (FOR KEY SHARE) until the transaction ends, or fails (42704) if one
+-- does not exist. Every path that queues jobs calls it, in the transaction of its INSERT, before
+-- or after it: drop_queue takes its queue FOR UPDATE before it counts and deletes the queue's
+-- jobs, so it either waits for that transaction and then sees its jobs, or went first, and then
+-- this fails and the jobs are rolled back. No job outlives its queue. (What the foreign key from
+-- jobs to queues did, once per statement instead of once per row.) Every name is qualified and
+-- nothing is pinned: fan-out calls it once per window.
+CREATE FUNCTION outbox._hold_queues(queues text[]) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    missing text;
+BEGIN
+    SELECT pg_catalog.min(n) INTO missing
+      FROM pg_catalog.unnest(queues) n
+     WHERE NOT EXISTS (SELECT FROM outbox.queues q WHERE q.name OPERATOR(pg_catalog.=) n FOR KEY SHARE);
+    IF missing IS NOT NULL THEN
+        RAISE EXCEPTION 'queue "%" does not exist', missing USING ERRCODE = 'undefined_object',
+            HINT = 'it was dropped while jobs were being queued on it';
+    END IF;
+END
+$$;
+
 -- outbox.enqueue() (src/queue.rs) for the role `who`.
 CREATE FUNCTION outbox._enqueue(queue text, payload jsonb, run_at timestamptz, key text, max_attempts integer, who oid)
 RETURNS bigint
@@ -336,6 +359,7 @@ BEGIN
     IF NOT outbox._may(queue, who, 'enqueue') THEN
         PERFORM outbox._use_queue(queue, who, 'enqueue');
     END IF;
+    PERFORM outbox._hold_queues(ARRAY[queue]);
     INSERT INTO outbox.jobs AS j (queue, payload, key, run_at, max_attempts)
     VALUES (queue, coalesce(payload, '{}'), key, coalesce(run_at, now()), max_attempts)
     ON CONFLICT (queue, key) WHERE key IS NOT NULL AND state = 'waiting' AND subscription IS NULL AND schedule IS NULL

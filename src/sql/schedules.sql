@@ -475,6 +475,8 @@ BEGIN
            (SELECT array_agg(DISTINCT q.queue) FROM queued q)
       INTO n, denied, queues
       FROM fired f;
+    -- The queues that got jobs are held until this commits (no job outlives its queue).
+    PERFORM outbox._hold_queues(queues);
     -- External workers of the queues that got jobs are woken once this commits (src/worker).
     PERFORM outbox._announce(q) FROM unnest(queues) q;
     FOREACH d IN ARRAY coalesce(denied, '{}') LOOP
@@ -519,6 +521,7 @@ BEGIN
         ON CONFLICT (queue, schedule, key) WHERE schedule IS NOT NULL AND state = 'waiting' DO NOTHING;
         GET DIAGNOSTICS n = ROW_COUNT;
         IF n > 0 THEN
+            PERFORM outbox._hold_queues(ARRAY[s.queue]);
             -- External workers of the queue are woken once this commits (src/worker).
             PERFORM outbox._announce(s.queue);
         END IF;

@@ -2131,6 +2131,114 @@ fn a_queue_cannot_be_dropped_from_under_a_job_being_queued() {
     assert_eq!(claimed(&mut owner, "orders").len(), 1);
 }
 
+/// Jobs whose queue is gone: what the foreign key from jobs to queues once ruled out.
+const ORPHAN_JOBS: &str = "SELECT count(*) FROM outbox.jobs j \
+     WHERE NOT EXISTS (SELECT FROM outbox.queues q WHERE q.name = j.queue)";
+
+#[test]
+fn a_job_queued_while_its_queue_is_dropped_fails_and_nothing_is_left() {
+    let db = worker_db("sec_queue_dropped_first");
+    let mut owner = tenant(&db, "mailer_a", &[JOB_GRANTS]);
+    owner
+        .batch_execute("SELECT outbox.create_queue('orders')")
+        .unwrap();
+    // The drop goes first and holds its transaction open; a job is queued meanwhile.
+    owner
+        .batch_execute("BEGIN; SELECT outbox.drop_queue('orders');")
+        .unwrap();
+    let mut queuing = db.connect_as("mailer_a");
+    let enqueue = std::thread::spawn(move || {
+        queuing
+            .batch_execute("SELECT outbox.enqueue('orders', '{\"n\": 1}')")
+            .map_err(|e| e.code().map(|c| c.code().to_string()))
+    });
+    let mut su = db.connect();
+    eventually(
+        "the job being queued to wait for the drop",
+        Duration::from_secs(10),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM pg_stat_activity \
+                  WHERE wait_event_type = 'Lock' AND query LIKE '%enqueue%'",
+            ) == 1)
+                .then_some(())
+        },
+    );
+    assert!(!enqueue.is_finished());
+    owner.batch_execute("COMMIT").unwrap();
+    assert_eq!(
+        enqueue.join().unwrap(),
+        Err(Some("42704".to_string())),
+        "the queue is gone: the job is refused, not left without it"
+    );
+    assert_eq!(count(&mut su, ORPHAN_JOBS), 0);
+    assert_eq!(count(&mut su, "SELECT count(*) FROM outbox.jobs"), 0);
+}
+
+#[test]
+fn a_fan_out_pass_never_leaves_jobs_in_a_queue_dropped_meanwhile() {
+    let db = worker_db("sec_queue_dropped_fanout");
+    let mut su = db.connect();
+    su.batch_execute(
+        "SELECT outbox.subscribe('feed', '{orders.*}', queue => 'orders', start_at => 'now');",
+    )
+    .unwrap();
+    // An event raised before the drop begins, committed after it: the pass that fans it out
+    // reads the subscription while its removal is not committed yet.
+    let mut raising = db.connect();
+    raising
+        .batch_execute("BEGIN; SELECT outbox.raise('orders.created', '{\"n\": 1}');")
+        .unwrap();
+    let mut dropping = db.connect();
+    dropping
+        .batch_execute(
+            "BEGIN; SELECT outbox.unsubscribe('feed'); \
+             SELECT outbox.drop_queue('orders', drop_jobs => true);",
+        )
+        .unwrap();
+    raising.batch_execute("COMMIT").unwrap();
+    eventually(
+        "a worker's pass to wait for the queue being dropped",
+        Duration::from_secs(10),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM pg_stat_activity \
+                  WHERE backend_type = 'pg_outbox worker' AND wait_event_type = 'Lock'",
+            ) == 1)
+                .then_some(())
+        },
+    );
+    dropping.batch_execute("COMMIT").unwrap();
+    eventually(
+        "the pass to fail on the dropped queue",
+        Duration::from_secs(10),
+        || {
+            db.cluster()
+                .log()
+                .contains("queue \"orders\" does not exist")
+                .then_some(())
+        },
+    );
+    assert_eq!(count(&mut su, ORPHAN_JOBS), 0);
+    assert_eq!(count(&mut su, "SELECT count(*) FROM outbox.jobs"), 0);
+    // The workers go on: another subscription gets its job.
+    su.batch_execute(
+        "SELECT outbox.subscribe('feed2', '{orders.*}', queue => 'orders2', start_at => 'now');
+         SELECT outbox.raise('orders.created', '{\"n\": 2}');",
+    )
+    .unwrap();
+    eventually("the next job", Duration::from_secs(10), || {
+        (count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'orders2'",
+        ) == 1)
+            .then_some(())
+    });
+    assert_eq!(count(&mut su, ORPHAN_JOBS), 0);
+}
+
 #[test]
 fn a_subscription_whose_owner_lost_the_right_to_feed_its_queue_is_paused() {
     let db = worker_db("sec_queue_membership");

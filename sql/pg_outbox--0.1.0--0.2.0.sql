@@ -410,10 +410,9 @@ $$;
 -- or after it: drop_queue takes its queue FOR UPDATE before it counts and deletes the queue's
 -- jobs, so it either waits for that transaction and then sees its jobs, or went first, and then
 -- this fails and the jobs are rolled back. No job outlives its queue. (What the foreign key from
--- jobs to queues did, once per statement instead of once per row.) Every name is qualified and
--- nothing is pinned: fan-out calls it once per window.
+-- jobs to queues did, once per statement instead of once per row.)
 CREATE FUNCTION outbox._hold_queues(queues text[]) RETURNS void
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     missing text;
 BEGIN

@@ -1028,8 +1028,13 @@ DECLARE
     n     integer := 0;
     after timestamptz;
 BEGIN
-    SELECT * INTO s FROM outbox.schedules x WHERE x.name = _ran_each.name FOR UPDATE;
-    IF NOT FOUND OR s.next_run IS DISTINCT FROM run OR s.each IS DISTINCT FROM _ran_each.each THEN
+    -- Not waited for: a tenant's transaction that changes or drops it holds its row for as long
+    -- as it stays open (-1: try again later).
+    SELECT * INTO s FROM outbox.schedules x WHERE x.name = _ran_each.name FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN CASE WHEN EXISTS (SELECT FROM outbox.schedules x WHERE x.name = _ran_each.name) THEN -1 END;
+    END IF;
+    IF s.next_run IS DISTINCT FROM run OR s.each IS DISTINCT FROM _ran_each.each THEN
         RETURN NULL;
     END IF;
     IF error IS NULL THEN

@@ -395,15 +395,27 @@ pub fn fire_due() -> i32 {
         .unwrap_or(0)
 }
 
-/// Fires one due each schedule that no other worker is firing; false when there was none. In the
+/// What `fire_one_each` did.
+pub enum EachRun {
+    /// No each schedule was due (outside those skipped) that no other worker was firing.
+    None,
+    /// One ran, and its run was recorded (or it had changed meanwhile, and nothing was).
+    Ran,
+    /// One ran, but another transaction held its row (a tenant changing or dropping it, which
+    /// may stay open as long as it likes): nothing was recorded, and it is still due.
+    Held(String),
+}
+
+/// Fires one due each schedule that no other worker is firing. In the
 /// worker, in a transaction of its own, which holds no row lock and no transaction id while the
 /// tenant's query runs (a transaction id would hold every reader's horizon back): the schedule's
 /// lease (`lease::Class::Schedule`) keeps other workers off it, and `outbox._ran_each` then
 /// checks that the schedule is still the one that ran, queues a job per row and moves it on. The
 /// query runs as the schedule's owner, as handlers run (a subtransaction, the handler timeout); a
 /// run whose owner may no longer enqueue, or whose query fails, queues nothing and says why
-/// (last_error, a WARNING), and the schedule backs off.
-pub fn fire_one_each() -> bool {
+/// (last_error, a WARNING), and the schedule backs off. Those named in `skip` are passed over (the
+/// worker's round tried them already, or their rows were held).
+pub fn fire_one_each(skip: &[String]) -> EachRun {
     Spi::connect_mut(|client| {
         let due = client
             .select(
@@ -412,9 +424,13 @@ pub fn fire_one_each() -> bool {
                              THEN outbox._schedule_denied(s.owner, s.topic, s.queue) END \
                    FROM outbox.schedules s \
                   WHERE s.each IS NOT NULL AND s.next_run <= pg_catalog.now() \
+                    AND s.name OPERATOR(pg_catalog.<>) ALL ($2) \
                   ORDER BY s.next_run LIMIT $1",
                 None,
-                &[DatumWithOid::from(EACH_PER_ROUND as i64)],
+                &[
+                    DatumWithOid::from(EACH_PER_ROUND as i64),
+                    DatumWithOid::from(skip.to_vec()),
+                ],
             )
             .expect("finding due each schedules");
         let mut chosen = None;
@@ -434,7 +450,7 @@ pub fn fire_one_each() -> bool {
             }
         }
         let Some((name, query, owner, run, denied)) = chosen else {
-            return false;
+            return EachRun::None;
         };
         let (rows, error) = match denied {
             Some(denied) => (None, Some(denied)),
@@ -447,7 +463,7 @@ pub fn fire_one_each() -> bool {
         // is recorded as failed, not left due for ever.
         let record = |rows: Option<Vec<String>>, error: Option<String>| {
             crate::transaction::in_subtransaction(|| {
-                Spi::run_with_args(
+                Spi::get_one_with_args::<i32>(
                     "SELECT outbox._ran_each($1, $2, $3, $4, $5)",
                     &[
                         DatumWithOid::from(name.as_str()),
@@ -460,14 +476,19 @@ pub fn fire_one_each() -> bool {
                 .unwrap_or_else(|e| pgrx::error!("{e}"))
             })
         };
-        if let Err(failure) = record(rows, error) {
-            record(
+        let recorded = match record(rows, error) {
+            Ok(recorded) => recorded,
+            Err(failure) => record(
                 None,
                 Some(format!("queueing its jobs failed: {}", failure.message)),
             )
-            .unwrap_or_else(|f| pgrx::error!("recording a failed run of \"{name}\": {f}"));
+            .unwrap_or_else(|f| pgrx::error!("recording a failed run of \"{name}\": {f}")),
+        };
+        if recorded == Some(-1) {
+            EachRun::Held(name)
+        } else {
+            EachRun::Ran
         }
-        true
     })
 }
 

@@ -92,6 +92,12 @@ struct Subscription {
     inline: Option<Vec<pg_sys::Datum>>,
     /// Windows it read in this pass.
     windows: usize,
+    /// Its rows are locked for this pass (`claim_rows`).
+    claimed: bool,
+    /// Its rows, or its queue for its matches, could not be held in this pass (another
+    /// transaction is changing or dropping them): its cursor stays, and it reads the window again
+    /// in a later pass.
+    held_off: bool,
 }
 
 /// The time one subscription's filter may take in one pass. Every subscription at the same cursor
@@ -156,18 +162,45 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
     // The previous holders committed before they released their leases: see their cursors.
     refresh_snapshot();
     // A subscription queues jobs as its owner: one whose owner may no longer do so on its queue
-    // (a grant or a role membership taken back since) is paused, saying why, not fanned out.
-    for r in plans::update(
+    // (a grant or a role membership taken back since) is paused, saying why, not fanned out. One
+    // whose row another transaction holds (its owner pausing or dropping it, say) is not waited
+    // for: it is left out of this pass, and paused by a later one.
+    let row = plans::update(
         client,
-        "WITH denied AS (            UPDATE outbox.subscriptions s SET paused = true,                   last_predicate_error = pg_catalog.format(                       'paused: its owner %s may no longer queue jobs on queue \"%s\"; grant that back, then resume it',                       c.owner::pg_catalog.regrole, s.queue),                   last_predicate_error_at = pg_catalog.now()              FROM outbox.consumers c             WHERE c.name = s.name AND s.name = ANY ($1) AND NOT s.paused               AND NOT outbox._may(s.queue, c.owner, CASE WHEN s.handler IS NULL THEN 'enqueue' ELSE 'own' END)            RETURNING s.last_predicate_error)          SELECT pg_catalog.array_agg(d.last_predicate_error) FROM denied d",
+        "WITH denied AS ( \
+             SELECT s.name FROM outbox.subscriptions s JOIN outbox.consumers c ON c.name = s.name \
+              WHERE s.name = ANY ($1) AND NOT s.paused \
+                AND NOT outbox._may(s.queue, c.owner, CASE WHEN s.handler IS NULL THEN 'enqueue' ELSE 'own' END)), \
+         held AS ( \
+             SELECT s.name FROM outbox.subscriptions s WHERE s.name IN (SELECT d.name FROM denied d) \
+                FOR NO KEY UPDATE OF s SKIP LOCKED), \
+         paused AS ( \
+             UPDATE outbox.subscriptions s SET paused = true, \
+                    last_predicate_error = pg_catalog.format( \
+                        'paused: its owner %s may no longer queue jobs on queue \"%s\"; grant that back, then resume it', \
+                        c.owner::pg_catalog.regrole, s.queue), \
+                    last_predicate_error_at = pg_catalog.now() \
+               FROM held h, outbox.consumers c \
+              WHERE s.name = h.name AND c.name = s.name \
+             RETURNING s.last_predicate_error) \
+         SELECT (SELECT pg_catalog.array_agg(d.name) FROM denied d), \
+                (SELECT pg_catalog.array_agg(p.last_predicate_error) FROM paused p)",
         None,
         &[DatumWithOid::from(leased.clone())],
     )
-    .and_then(|t| t.first().get_one::<Vec<String>>())
-    .expect("checking the subscriptions' queues")
-    .unwrap_or_default()
-    {
+    .expect("checking the subscriptions' queues");
+    let row = row.first();
+    let denied: Vec<String> = row.get(1).expect("denied").unwrap_or_default();
+    let paused: Vec<String> = row.get(2).expect("paused").unwrap_or_default();
+    for r in &paused {
         pgrx::warning!("pg_outbox: a subscription was {r}");
+    }
+    if denied.len() > paused.len() {
+        contended = true;
+    }
+    leased.retain(|name| !denied.contains(name));
+    if leased.is_empty() {
+        return (Vec::new(), contended);
     }
     let mut subs = Vec::new();
     for r in plans::select(
@@ -215,6 +248,8 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
             stopped_at: None,
             inline: None,
             windows: 0,
+            claimed: false,
+            held_off: false,
         });
     }
     for sub in subs.iter_mut() {
@@ -414,10 +449,11 @@ struct Verdicts {
 /// cursor, and every subscription whose cursor falls inside it takes its events from that one
 /// read (and one conversion of each event); each filter then runs on the events past its own
 /// cursor. Subscriptions created or resumed at different times so end the pass at one position,
-/// and read together from then on.
-pub fn pass(names: &[&str]) -> PassResult {
+/// and read together from then on. Also says whether a subscription was held off (its queue is
+/// being dropped): the worker should look again soon, as when another worker holds a lease.
+pub fn pass(names: &[&str]) -> (PassResult, bool) {
     if names.is_empty() || !super::lock_tables() {
-        return PassResult::Skipped;
+        return (PassResult::Skipped, false);
     }
     // Tenants' filters run here: SIGTERM ends the worker at once, as inside a handler.
     let _tenant_code = crate::worker::TenantCode::enter();
@@ -425,19 +461,40 @@ pub fn pass(names: &[&str]) -> PassResult {
         let (mut subs, contended) = lease(client, names);
         if subs.is_empty() {
             return if contended {
-                PassResult::Contended
+                (PassResult::Contended, false)
             } else {
-                PassResult::Skipped
+                (PassResult::Skipped, false)
             };
         }
+        // Those done with this pass; saved at the end if they moved on to a batch unsaved.
+        let mut finished: Vec<Subscription> = Vec::new();
+        let mut held_off = false;
         // A subscription that reads by ticks and is not in a batch yet (new, or rewound) starts
         // one when a tick allows (as a sink does, dispatch::first_batch), saved at once.
-        for sub in subs.iter_mut().filter(|s| s.by_ticks && s.batch.is_none()) {
-            if let Some(at) = super::first_batch(client, &At::horizon(sub.cursor))
-                .unwrap_or_else(|e| panic!("subscription \"{}\": {e}", sub.name))
+        let starting: Vec<&mut Subscription> = subs
+            .iter_mut()
+            .filter(|s| s.by_ticks && s.batch.is_none())
+            .collect();
+        if !starting.is_empty() {
+            claim_rows(client, starting);
+            for sub in subs
+                .iter_mut()
+                .filter(|s| s.by_ticks && s.batch.is_none() && s.claimed)
             {
-                cursor::save_at(&sub.name, &at);
-                sub.batch = at.batch;
+                if let Some(at) = super::first_batch(client, &At::horizon(sub.cursor))
+                    .unwrap_or_else(|e| panic!("subscription \"{}\": {e}", sub.name))
+                {
+                    cursor::save_at(&sub.name, &at);
+                    sub.batch = at.batch;
+                }
+            }
+            for sub in std::mem::take(&mut subs) {
+                if sub.held_off {
+                    held_off = true;
+                    finished.push(sub);
+                } else {
+                    subs.push(sub);
+                }
             }
         }
         // By frame and cursor (stable: by name within one cursor).
@@ -449,8 +506,6 @@ pub fn pass(names: &[&str]) -> PassResult {
             time: INLINE_BUDGET,
             inserts: PLAIN_INSERTS,
         };
-        // Those done with this pass; saved at the end if they moved on to a batch unsaved.
-        let mut finished: Vec<Subscription> = Vec::new();
         let started = std::time::Instant::now();
         while !subs.is_empty() {
             let Some((m, f, group)) = fan_out(client, &mut subs, &mut budget) else {
@@ -471,7 +526,13 @@ pub fn pass(names: &[&str]) -> PassResult {
             // after another, say) would otherwise each cost a window read per pass for good.
             let behind_others = subs.iter().any(|s| s.windows == 0);
             for sub in group {
-                if f && behind_others && sub.windows < CATCH_UP_WINDOWS && sub.stopped_at.is_none()
+                if sub.held_off {
+                    held_off = true;
+                    finished.push(sub);
+                } else if f
+                    && behind_others
+                    && sub.windows < CATCH_UP_WINDOWS
+                    && sub.stopped_at.is_none()
                 {
                     insert_by_key(&mut subs, sub);
                 } else if !f && sub.batch.is_some() && sub.stopped_at.is_none() {
@@ -483,20 +544,22 @@ pub fn pass(names: &[&str]) -> PassResult {
                 }
             }
         }
-        for sub in finished.iter().filter(|s| s.unsaved) {
+        claim_rows(client, finished.iter_mut().filter(|s| s.unsaved).collect());
+        for sub in finished.iter().filter(|s| s.unsaved && s.claimed) {
             cursor::save_at(&sub.name, &sub.at(sub.cursor));
         }
         if !any {
             return if contended {
-                PassResult::Contended
+                (PassResult::Contended, false)
             } else {
-                PassResult::Idle
+                (PassResult::Idle, false)
             };
         }
-        PassResult::Delivered {
+        let result = PassResult::Delivered {
             events: matched,
             full,
-        }
+        };
+        (result, held_off)
     })
 }
 
@@ -604,6 +667,7 @@ fn fan_out(
         .take_while(|s| s.same_frame(&waiting[0]) && s.cursor < last)
         .count();
     let mut group: Vec<Subscription> = waiting.drain(..inside).collect();
+    claim_rows(client, group.iter_mut().collect());
     let reads = Reads::of(&group);
     let mut tupdesc: Option<pg_sys::TupleDesc> = None;
     let mut event_type = pg_sys::InvalidOid;
@@ -622,7 +686,11 @@ fn fan_out(
         // Made an outbox.event once, for every subscription that matched it.
         let mut event: Option<pg_sys::Datum> = None;
         for (sub, class) in group.iter_mut().zip(&reads.class_of) {
-            if position <= sub.cursor || sub.stopped_at.is_some() || !sub.wants_topic(topic) {
+            if sub.held_off
+                || position <= sub.cursor
+                || sub.stopped_at.is_some()
+                || !sub.wants_topic(topic)
+            {
                 continue;
             }
             let verdict = match &sub.filter {
@@ -682,6 +750,32 @@ fn fan_out(
         // SAFETY: nothing made in it outlives the event (the contexts hold Rust values only).
         unsafe { pg_sys::MemoryContextReset(event_cx.value()) };
     }
+    // The queues of the window's matches are held until the pass commits (`hold_queues`), before
+    // a handler runs: one that cannot be (being dropped, or gone) holds off its subscriptions,
+    // whose matches are dropped and whose cursors stay.
+    let wanted: std::collections::BTreeSet<&str> = group
+        .iter()
+        .filter(|s| s.verdicts.matches > 0)
+        .map(|s| s.queue.as_str())
+        .collect();
+    if !wanted.is_empty() {
+        let held = hold_queues(client, wanted.into_iter().map(String::from).collect());
+        for sub in group.iter_mut() {
+            if sub.verdicts.matches > 0 && !held.contains(&sub.queue) {
+                sub.held_off = true;
+                sub.inline = None;
+                sub.verdicts = Verdicts::default();
+            }
+        }
+        if queues.iter().any(|q| !held.contains(q)) {
+            let keep: Vec<bool> = queues.iter().map(|q| held.contains(q)).collect();
+            retain_kept(&mut subs, &keep);
+            retain_kept(&mut queues, &keep);
+            retain_kept(&mut handlers, &keep);
+            retain_kept(&mut attempts, &keep);
+            retain_kept(&mut events, &keep);
+        }
+    }
     // A handler subscription's matches run now, in this transaction; what did not (a call that
     // failed, the pass's time for them used up) is written as jobs like any other match.
     for sub in group.iter_mut() {
@@ -708,9 +802,6 @@ fn fan_out(
         for queue in announced {
             crate::worker::announce_at_commit(queue, None);
         }
-        // In this transaction, not in write_jobs' subtransaction (whose rollback would let go).
-        let held: std::collections::BTreeSet<&String> = queues.iter().collect();
-        hold_queues(client, held.into_iter().cloned().collect());
         // SAFETY: an outbox.event[] built in this SPI connection, still alive.
         let events = unsafe {
             DatumWithOid::new(
@@ -729,6 +820,9 @@ fn fan_out(
     }
     let mut stopped = false;
     for sub in group.iter_mut() {
+        if sub.held_off {
+            continue;
+        }
         if sub.stopped_at.is_some() {
             stopped = true;
         }
@@ -742,6 +836,7 @@ fn fan_out(
             );
         }
     }
+    let counted: Vec<&Subscription> = group.iter().filter(|s| !s.held_off).collect();
     plans::update(
             client,
             "UPDATE outbox.subscriptions s SET matched = s.matched + v.matched, skipped = s.skipped + v.skipped, \
@@ -757,12 +852,12 @@ fn fan_out(
               WHERE s.name = v.name",
             None,
             &[
-                DatumWithOid::from(group.iter().map(|s| s.name.clone()).collect::<Vec<_>>()),
-                DatumWithOid::from(group.iter().map(|s| s.verdicts.matches).collect::<Vec<_>>()),
-                DatumWithOid::from(group.iter().map(|s| s.verdicts.skipped).collect::<Vec<_>>()),
-                DatumWithOid::from(group.iter().map(|s| s.verdicts.errors).collect::<Vec<_>>()),
+                DatumWithOid::from(counted.iter().map(|s| s.name.clone()).collect::<Vec<_>>()),
+                DatumWithOid::from(counted.iter().map(|s| s.verdicts.matches).collect::<Vec<_>>()),
+                DatumWithOid::from(counted.iter().map(|s| s.verdicts.skipped).collect::<Vec<_>>()),
+                DatumWithOid::from(counted.iter().map(|s| s.verdicts.errors).collect::<Vec<_>>()),
                 DatumWithOid::from(
-                    group
+                    counted
                         .iter()
                         .map(|s| s.verdicts.last_error.clone())
                         .collect::<Vec<_>>(),
@@ -775,7 +870,9 @@ fn fan_out(
     unsafe { pg_sys::SPI_freetuptable(table) };
     // Ready for another window in this pass: at its new cursor, its verdicts counted.
     for sub in group.iter_mut() {
-        sub.cursor = sub.stopped_at.unwrap_or(last);
+        if !sub.held_off {
+            sub.cursor = sub.stopped_at.unwrap_or(last);
+        }
         sub.windows += 1;
         sub.verdicts = Verdicts::default();
         if sub.handler.is_some() && crate::worker::runs_inline(&sub.name) {
@@ -808,16 +905,77 @@ fn write_jobs(client: &mut SpiClient<'_>, args: &[DatumWithOid<'_>], budget: &mu
     plans::update(client, INSERT_SKIPPING_WAITING_SQL, None, args).expect("writing jobs");
 }
 
-/// Holds `queues` until the pass commits (`outbox._hold_queues`: no job outlives its queue). A
-/// queue dropped since its subscription was read fails the pass, which is rolled back.
-fn hold_queues(client: &mut SpiClient<'_>, queues: Vec<String>) {
+/// Locks the rows of `subs` that are not locked yet in this pass (their cursors and their counts,
+/// which the pass is about to write), or holds them off: a tenant's transaction that unsubscribes,
+/// pauses or alters a subscription holds its rows for as long as it stays open, and the worker's
+/// pass must not wait on it (SKIP LOCKED). Only once the pass writes: one with nothing to read
+/// writes nothing, and takes no transaction id.
+fn claim_rows(client: &mut SpiClient<'_>, subs: Vec<&mut Subscription>) {
+    let wanted: Vec<&mut Subscription> = subs
+        .into_iter()
+        .filter(|s| !s.claimed && !s.held_off)
+        .collect();
+    if wanted.is_empty() {
+        return;
+    }
+    let names: Vec<String> = wanted.iter().map(|s| s.name.clone()).collect();
+    let got: std::collections::BTreeSet<String> = plans::update(
+        client,
+        "SELECT c.name FROM outbox.consumers c JOIN outbox.subscriptions s \
+             ON s.name OPERATOR(pg_catalog.=) c.name \
+          WHERE c.name OPERATOR(pg_catalog.=) ANY ($1) FOR NO KEY UPDATE OF c, s SKIP LOCKED",
+        None,
+        &[DatumWithOid::from(names)],
+    )
+    .and_then(|rows| {
+        rows.map(|row| {
+            row.get::<String>(1)
+                .map(|name| name.expect("a subscription's name"))
+        })
+        .collect()
+    })
+    .unwrap_or_else(|e| panic!("locking the subscriptions' cursors: {e}"));
+    for sub in wanted {
+        if got.contains(&sub.name) {
+            sub.claimed = true;
+        } else {
+            sub.held_off = true;
+        }
+    }
+}
+
+/// Keeps the items of `v` whose `keep` is true.
+fn retain_kept<T>(v: &mut Vec<T>, keep: &[bool]) {
+    let mut at = keep.iter();
+    v.retain(|_| *at.next().expect("a flag per item"));
+}
+
+/// Holds those of `queues` that exist until the pass commits, and returns them: FOR KEY SHARE,
+/// as `outbox._hold_queues` does on the other paths that queue jobs (drop_queue takes its queue
+/// FOR UPDATE before it deletes the queue's jobs, so no job outlives its queue). In this
+/// transaction, not in write_jobs' subtransaction, whose rollback would let go. Not waited for:
+/// a queue whose row is locked is being dropped by a tenant's transaction, which may stay open
+/// as long as its role likes, and the worker's pass must not wait on it (SKIP LOCKED leaves it
+/// out, as it leaves out one that is gone).
+fn hold_queues(
+    client: &mut SpiClient<'_>,
+    queues: Vec<String>,
+) -> std::collections::BTreeSet<String> {
     plans::update(
         client,
-        "SELECT outbox._hold_queues($1)",
+        "SELECT q.name FROM outbox.queues q WHERE q.name OPERATOR(pg_catalog.=) ANY ($1) \
+            FOR KEY SHARE OF q SKIP LOCKED",
         None,
         &[DatumWithOid::from(queues)],
     )
-    .unwrap_or_else(|e| panic!("holding the queues of the jobs: {e}"));
+    .and_then(|rows| {
+        rows.map(|row| {
+            row.get::<String>(1)
+                .map(|name| name.expect("a queue's name"))
+        })
+        .collect()
+    })
+    .unwrap_or_else(|e| panic!("holding the queues of the jobs: {e}"))
 }
 
 /// Runs WINDOW_SQL after `cursor` (BATCH_WINDOW_SQL within `batch`), with the text columns

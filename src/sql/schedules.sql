@@ -494,7 +494,9 @@ $$;
 -- wrote nothing. The schedule moves on to its next run (a one-off is deleted); runs that fail in
 -- a row wait longer and longer (1 s doubling, up to an hour, and never less than the next regular
 -- run), and a one-off gives up after 10. Nothing is written when the schedule changed or went
--- while the query ran (returns NULL). Returns the jobs queued.
+-- while the query ran (returns NULL), nor while another transaction holds its row (returns -1:
+-- a tenant changing or dropping it, whose transaction may stay open as long as it likes; the
+-- worker tries again later rather than wait). Returns the jobs queued.
 CREATE FUNCTION outbox._ran_each(name text, run timestamptz, each text, rows text[], error text) RETURNS integer
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -503,8 +505,13 @@ DECLARE
     n     integer := 0;
     after timestamptz;
 BEGIN
-    SELECT * INTO s FROM outbox.schedules x WHERE x.name = _ran_each.name FOR UPDATE;
-    IF NOT FOUND OR s.next_run IS DISTINCT FROM run OR s.each IS DISTINCT FROM _ran_each.each THEN
+    -- Not waited for: a tenant's transaction that changes or drops it holds its row for as long
+    -- as it stays open (-1: try again later).
+    SELECT * INTO s FROM outbox.schedules x WHERE x.name = _ran_each.name FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN CASE WHEN EXISTS (SELECT FROM outbox.schedules x WHERE x.name = _ran_each.name) THEN -1 END;
+    END IF;
+    IF s.next_run IS DISTINCT FROM run OR s.each IS DISTINCT FROM _ran_each.each THEN
         RETURN NULL;
     END IF;
     IF error IS NULL THEN

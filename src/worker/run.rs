@@ -12,6 +12,7 @@ use super::{
     slot_started, OUTCOME_ABSENT, OUTCOME_EXCLUDED,
 };
 use crate::dispatch::{self, PassResult};
+use crate::schedule::EachRun;
 use crate::settings;
 use crate::transaction::in_transaction;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
@@ -64,6 +65,9 @@ struct Worker {
     lineage_warned: bool,
     /// This round did something (delivered, fanned out, ran jobs, fired schedules, sent requests).
     worked: bool,
+    /// Each schedules whose rows another transaction held when their runs were to be recorded,
+    /// and when: passed over for `EACH_HELD_WAIT`, so that their queries do not run every round.
+    held_each: Vec<(String, Instant)>,
     /// The state last warned about, so an idle worker says why once, not every poll.
     warned: Option<Installed>,
     last_prune: Option<Instant>,
@@ -174,6 +178,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         placed: false,
         lineage_warned: false,
         worked: false,
+        held_each: Vec::new(),
         warned: None,
         last_prune: None,
         last_tick_prune: None,
@@ -478,23 +483,44 @@ impl Worker {
             Some(0) => {
                 activity("firing due schedules");
                 match in_transaction(crate::schedule::fire_due) {
-                    // Look again soon: the next run, or a run that came due meanwhile.
-                    Ok(_) => {
+                    // Look again soon: the next run, or a run that came due meanwhile. (Not when
+                    // nothing fired: a due run whose row a tenant's transaction holds stays due,
+                    // and the worker would go round every millisecond until it ends.)
+                    Ok(fired) if fired > 0 => {
                         self.worked = true;
                         sleep = sleep.min(Duration::from_millis(1));
+                    }
+                    // Runs that wrote nothing (a job still waiting, say) moved on all the same.
+                    Ok(_) => {
+                        if let Ok(Some(ms)) = in_transaction(crate::schedule::due_in) {
+                            if ms > 0 {
+                                sleep = sleep.min(Duration::from_millis(ms as u64));
+                            }
+                        }
                     }
                     Err(e) => self.failed(&format!("firing schedules: {e}")),
                 }
                 // Each schedules one by one, each in a transaction of its own: a tenant's query
                 // runs in each (see schedule::fire_one_each).
+                self.held_each
+                    .retain(|(_, at)| at.elapsed() < EACH_HELD_WAIT);
+                let mut skip: Vec<String> = self
+                    .held_each
+                    .iter()
+                    .map(|(name, _)| name.clone())
+                    .collect();
                 let started = Instant::now();
                 for _ in 0..crate::schedule::EACH_PER_ROUND {
                     if self.stopping() || started.elapsed() > crate::schedule::EACH_ROUND_TIME {
                         break;
                     }
-                    match in_transaction(crate::schedule::fire_one_each) {
-                        Ok(true) => self.worked = true,
-                        Ok(false) => break,
+                    match in_transaction(|| crate::schedule::fire_one_each(&skip)) {
+                        Ok(EachRun::Ran) => self.worked = true,
+                        Ok(EachRun::Held(name)) => {
+                            skip.push(name.clone());
+                            self.held_each.push((name, Instant::now()));
+                        }
+                        Ok(EachRun::None) => break,
                         Err(e) => {
                             self.failed(&format!("firing an each schedule: {e}"));
                             break;
@@ -673,23 +699,30 @@ impl Worker {
         let names: Vec<&str> = subscriptions.iter().map(|(n, _)| n.as_str()).collect();
         activity(&format!("fan-out of {} subscriptions", names.len()));
         match in_transaction(|| dispatch::fanout::pass(&names)) {
-            Ok(PassResult::Delivered { events, full }) => {
-                slot_pass(self.slot, events as u64);
-                self.worked |= events > 0;
-                more |= full;
+            Ok((result, held_off)) => {
+                // A subscription whose queue is being dropped is looked at again soon.
+                *contended |= held_off;
+                match result {
+                    PassResult::Delivered { events, full } => {
+                        slot_pass(self.slot, events as u64);
+                        self.worked |= events > 0;
+                        more |= full;
+                    }
+                    PassResult::Contended => *contended = true,
+                    _ => {}
+                }
             }
-            Ok(PassResult::Contended) => *contended = true,
-            Ok(_) => {}
             Err(e) => {
                 // One subscription's trouble must not stall the others: go one by one.
                 self.failed(&format!("fan-out: {e}"));
                 for name in &names {
                     match in_transaction(|| dispatch::fanout::pass(&[name])) {
-                        Ok(PassResult::Delivered { events, full }) => {
+                        Ok((PassResult::Delivered { events, full }, held_off)) => {
                             slot_pass(self.slot, events as u64);
                             more |= full;
+                            *contended |= held_off;
                         }
-                        Ok(_) => {}
+                        Ok((_, held_off)) => *contended |= held_off,
                         Err(e) => self.failed(&format!("subscription \"{name}\": {e}")),
                     }
                 }
@@ -972,6 +1005,10 @@ impl Worker {
         slot_failure(self.slot, error);
     }
 }
+
+/// How long an each schedule whose row another transaction held is passed over before its query
+/// runs again (`Worker::held_each`).
+const EACH_HELD_WAIT: Duration = Duration::from_secs(1);
 
 /// How often a worker whose requests fly looks whether one has landed, should the latch a
 /// request's thread sets when it lands (the usual wakeup) ever be missed.

@@ -2176,67 +2176,304 @@ fn a_job_queued_while_its_queue_is_dropped_fails_and_nothing_is_left() {
     assert_eq!(count(&mut su, "SELECT count(*) FROM outbox.jobs"), 0);
 }
 
-#[test]
-fn a_fan_out_pass_never_leaves_jobs_in_a_queue_dropped_meanwhile() {
-    let db = worker_db("sec_queue_dropped_fanout");
-    let mut su = db.connect();
+/// Workers of this database waiting for a lock now.
+const WORKERS_WAITING_FOR_A_LOCK: &str = "SELECT count(*) FROM pg_stat_activity \
+     WHERE backend_type = 'pg_outbox worker' AND datname = current_database() \
+       AND wait_event_type = 'Lock'";
+
+/// Samples `WORKERS_WAITING_FOR_A_LOCK` for a second: none may be.
+fn no_worker_waits_for_a_lock(su: &mut Client, while_: &str) {
+    for _ in 0..10 {
+        assert_eq!(
+            count(su, WORKERS_WAITING_FOR_A_LOCK),
+            0,
+            "a worker waits for a lock {while_}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A subscription, a sink's table and a SQL sink of the superuser's on `orders.*`: what must go on
+/// while a tenant holds something of its own. They read by ticks, so that the tenant's open
+/// transaction does not hold back what they read (the read horizon would).
+fn bystanders(su: &mut Client) {
     su.batch_execute(
-        "SELECT outbox.subscribe('feed', '{orders.*}', queue => 'orders', start_at => 'now');",
+        "SELECT outbox.subscribe('others', '{orders.*}', queue => 'others', start_at => 'now');
+         SELECT outbox.alter_subscription('others', '{\"read_by\": \"ticks\"}');
+         CREATE TABLE public.shipped (n int);
+         CREATE FUNCTION public.ship(e outbox.event[]) RETURNS void LANGUAGE sql AS
+           $$ INSERT INTO public.shipped SELECT (x.payload->>'n')::int FROM unnest(e) x $$;
+         SELECT outbox.create_sink('ship', 'public.ship(outbox.event[])', topics => ARRAY['orders.*']);
+         SELECT outbox.alter_sink('ship', '{\"read_by\": \"ticks\"}');",
     )
     .unwrap();
+}
+
+/// A tenant that unsubscribes and drops its queue in a transaction it leaves open, while the
+/// worker has an event to fan out to that subscription: the worker neither waits for it (the
+/// tenant's transaction may stay open for ever) nor leaves a job behind the queue once it is gone.
+#[test]
+fn a_queue_drop_left_open_by_a_tenant_stalls_no_worker_and_leaves_no_job_behind() {
+    let db = worker_db("sec_queue_dropped_fanout");
+    let mut su = db.connect();
+    let mut mallory = tenant(&db, "mallory_drop", &[SUBSCRIBER_GRANTS, JOB_GRANTS]);
+    let mut app = tenant(&db, "app_drop", &[APP_GRANTS]);
+    mallory
+        .batch_execute(
+            "SELECT outbox.subscribe('feed', '{orders.*}', queue => 'orders', start_at => 'now')",
+        )
+        .unwrap();
+    bystanders(&mut su);
     // An event raised before the drop begins, committed after it: the pass that fans it out
     // reads the subscription while its removal is not committed yet.
-    let mut raising = db.connect();
+    let mut raising = db.connect_as("app_drop");
     raising
         .batch_execute("BEGIN; SELECT outbox.raise('orders.created', '{\"n\": 1}');")
         .unwrap();
-    let mut dropping = db.connect();
-    dropping
+    mallory
         .batch_execute(
             "BEGIN; SELECT outbox.unsubscribe('feed'); \
              SELECT outbox.drop_queue('orders', drop_jobs => true);",
         )
         .unwrap();
     raising.batch_execute("COMMIT").unwrap();
+    app.batch_execute(
+        "SELECT outbox.raise('orders.created', '{\"n\": 2}');
+         SELECT outbox.raise('orders.created', '{\"n\": 3}');",
+    )
+    .unwrap();
     eventually(
-        "a worker's pass to wait for the queue being dropped",
-        Duration::from_secs(10),
+        "the other subscription and the sink to go on while the drop is open",
+        Duration::from_secs(15),
         || {
             (count(
                 &mut su,
-                "SELECT count(*) FROM pg_stat_activity \
-                  WHERE backend_type = 'pg_outbox worker' AND wait_event_type = 'Lock'",
-            ) == 1)
+                "SELECT count(*) FROM outbox.jobs WHERE queue = 'others'",
+            ) == 3
+                && count(&mut su, "SELECT count(*) FROM public.shipped") == 3)
                 .then_some(())
         },
     );
-    dropping.batch_execute("COMMIT").unwrap();
-    eventually(
-        "the pass to fail on the dropped queue",
-        Duration::from_secs(10),
-        || {
-            db.cluster()
-                .log()
-                .contains("queue \"orders\" does not exist")
-                .then_some(())
-        },
-    );
-    assert_eq!(count(&mut su, ORPHAN_JOBS), 0);
-    assert_eq!(count(&mut su, "SELECT count(*) FROM outbox.jobs"), 0);
-    // The workers go on: another subscription gets its job.
-    su.batch_execute(
-        "SELECT outbox.subscribe('feed2', '{orders.*}', queue => 'orders2', start_at => 'now');
-         SELECT outbox.raise('orders.created', '{\"n\": 2}');",
-    )
-    .unwrap();
+    no_worker_waits_for_a_lock(&mut su, "while a tenant's drop_queue is open");
+    mallory.batch_execute("COMMIT").unwrap();
+    app.batch_execute("SELECT outbox.raise('orders.created', '{\"n\": 4}')")
+        .unwrap();
     eventually("the next job", Duration::from_secs(10), || {
         (count(
             &mut su,
-            "SELECT count(*) FROM outbox.jobs WHERE queue = 'orders2'",
-        ) == 1)
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'others'",
+        ) == 4)
             .then_some(())
     });
     assert_eq!(count(&mut su, ORPHAN_JOBS), 0);
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'orders'"
+        ),
+        0
+    );
+}
+
+/// What a tenant does to its own subscription in a transaction it then rolls back: the worker
+/// holds the subscription off while it is open (its rows are held), and afterwards the
+/// subscription gets every event it matched meanwhile, once.
+fn held_off_then_rolled_back(label: &str, holding: &str) {
+    let db = worker_db(label);
+    let mut su = db.connect();
+    let mut mallory = tenant(&db, "mallory_undo", &[SUBSCRIBER_GRANTS, JOB_GRANTS]);
+    let mut app = tenant(&db, "app_undo", &[APP_GRANTS]);
+    mallory
+        .batch_execute(
+            "SELECT outbox.subscribe('feed', '{orders.*}', queue => 'orders', start_at => 'now')",
+        )
+        .unwrap();
+    bystanders(&mut su);
+    let mut raising = db.connect_as("app_undo");
+    raising
+        .batch_execute("BEGIN; SELECT outbox.raise('orders.created', '{\"n\": 1}');")
+        .unwrap();
+    mallory.batch_execute(&format!("BEGIN; {holding}")).unwrap();
+    raising.batch_execute("COMMIT").unwrap();
+    app.batch_execute("SELECT outbox.raise('orders.created', '{\"n\": 2}')")
+        .unwrap();
+    eventually(
+        "the other subscription to get both events while the tenant holds its own",
+        Duration::from_secs(15),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM outbox.jobs WHERE queue = 'others'",
+            ) == 2)
+                .then_some(())
+        },
+    );
+    no_worker_waits_for_a_lock(&mut su, &format!("while a tenant holds {holding}"));
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'orders'"
+        ),
+        0,
+        "nothing was queued for the subscription held off"
+    );
+    mallory.batch_execute("ROLLBACK").unwrap();
+    su.batch_execute("SELECT outbox.wake()").unwrap();
+    eventually(
+        "the held-off subscription to get both events",
+        Duration::from_secs(15),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM outbox.jobs WHERE queue = 'orders'",
+            ) == 2)
+                .then_some(())
+        },
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(DISTINCT event) FROM outbox.jobs WHERE queue = 'orders'"
+        ),
+        2,
+        "each event once"
+    );
+    assert_eq!(
+        count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'orders'"
+        ),
+        2
+    );
+}
+
+#[test]
+fn a_subscription_held_off_by_a_queue_drop_that_rolls_back_loses_no_event() {
+    held_off_then_rolled_back(
+        "sec_queue_drop_rolled_back",
+        "SELECT outbox.unsubscribe('feed'); SELECT outbox.drop_queue('orders', drop_jobs => true);",
+    );
+}
+
+#[test]
+fn a_subscription_its_owner_pauses_in_an_open_transaction_is_held_off_not_waited_for() {
+    held_off_then_rolled_back(
+        "sec_pause_rolled_back",
+        "SELECT outbox.pause_subscription('feed');",
+    );
+}
+
+/// CPU time the workers of this database have used, in clock ticks (read from /proc).
+fn workers_cpu_ticks(su: &mut Client) -> u64 {
+    su.query(
+        "SELECT pid FROM pg_stat_activity \
+          WHERE backend_type = 'pg_outbox worker' AND datname = current_database()",
+        &[],
+    )
+    .unwrap()
+    .iter()
+    .map(|row| {
+        let pid: i32 = row.get(0);
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // Fields after the command (which may hold spaces): state is the first, then utime
+        // and stime are the 12th and 13th.
+        let rest: Vec<&str> = stat
+            .rsplit_once(')')
+            .map_or("", |(_, r)| r)
+            .split_whitespace()
+            .collect();
+        let field = |i: usize| rest.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        field(11) + field(12)
+    })
+    .sum()
+}
+
+/// A tenant that unschedules its own due schedules (an each and a timed one) in a transaction it
+/// leaves open: the worker neither waits for it nor goes round and round meanwhile, the other
+/// schedules fire, and once it rolls back the held ones fire too.
+#[test]
+fn schedules_held_open_by_their_owner_stall_no_worker() {
+    let db = worker_db("sec_schedule_held");
+    let mut su = db.connect();
+    let schedule_grants = "GRANT EXECUTE ON FUNCTION \
+        outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text), \
+        outbox.unschedule(text) TO {r};";
+    let mut reports = tenant(
+        &db,
+        "reports_held",
+        &[APP_GRANTS, JOB_GRANTS, schedule_grants],
+    );
+    reports
+        .batch_execute(
+            "SELECT outbox.create_queue('rq');
+             SELECT outbox.schedule('mine', every => '1 hour', queue => 'rq', each => 'SELECT 1 AS n');
+             SELECT outbox.schedule('mine_timed', every => '1 hour', topic => 'mine.tick');",
+        )
+        .unwrap();
+    su.batch_execute(
+        "SELECT outbox.create_queue('sq');
+         SELECT outbox.schedule('theirs', every => '1 hour', queue => 'sq', each => 'SELECT 2 AS n');
+         SELECT outbox.schedule('timed', every => '1 hour', topic => 'their.tick');",
+    )
+    .unwrap();
+    // The tenant's come due first (each schedules fire in the order they came due), and it
+    // holds them.
+    su.batch_execute(
+        "UPDATE outbox.schedules SET next_run = now() - interval '10 seconds' WHERE name IN ('mine', 'mine_timed');",
+    )
+    .unwrap();
+    reports
+        .batch_execute(
+            "BEGIN; SELECT outbox.unschedule('mine'); SELECT outbox.unschedule('mine_timed');",
+        )
+        .unwrap();
+    su.batch_execute(
+        "UPDATE outbox.schedules SET next_run = now() - interval '1 second' WHERE name IN ('theirs', 'timed');
+         SELECT outbox.wake();",
+    )
+    .unwrap();
+    eventually(
+        "the other schedules to fire while the tenant's are held",
+        Duration::from_secs(15),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM outbox.jobs WHERE queue = 'sq'",
+            ) == 1
+                && count(
+                    &mut su,
+                    "SELECT count(*) FROM outbox.events WHERE topic = 'their.tick'",
+                ) == 1)
+                .then_some(())
+        },
+    );
+    no_worker_waits_for_a_lock(&mut su, "while a tenant holds its schedules");
+    // A due schedule that stays due must not make the workers go round every millisecond.
+    let before = workers_cpu_ticks(&mut su);
+    std::thread::sleep(Duration::from_secs(3));
+    let used = workers_cpu_ticks(&mut su) - before;
+    assert!(
+        used < 60,
+        "the workers used {used} ticks of CPU in 3 s while nothing was to do but held schedules"
+    );
+    reports.batch_execute("ROLLBACK").unwrap();
+    su.batch_execute("SELECT outbox.wake()").unwrap();
+    eventually(
+        "the tenant's schedules to fire once it let go",
+        Duration::from_secs(15),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM outbox.jobs WHERE queue = 'rq'",
+            ) == 1
+                && count(
+                    &mut su,
+                    "SELECT count(*) FROM outbox.events WHERE topic = 'mine.tick'",
+                ) == 1)
+                .then_some(())
+        },
+    );
 }
 
 #[test]

@@ -30,9 +30,15 @@ pub struct Consumer {
     pub batch: Option<Batch>,
 }
 
-/// Looks a consumer up (as the owner) and locks its row against concurrent changes.
-fn lookup_for_update(consumer: &str) -> Option<Consumer> {
+/// Looks a consumer up (as the owner) and locks its row against concurrent changes. A SQL sink's
+/// or a subscription's lease is taken first (waiting for a worker's pass to end), so that the
+/// workers pass it over for as long as this transaction stays open rather than wait for its row.
+/// (`leases` false: a pull consumer's own calls, which no worker writes for.)
+fn lookup_for_update(consumer: &str, leases: bool) -> Option<Consumer> {
     Spi::connect_mut(|client| {
+        if leases {
+            take_leases(client, consumer)?;
+        }
         let rows = client.update(
             "SELECT owner, kind, txid::text, seq, read_by = 'ticks', tick, since::text, upto::text \
                FROM outbox.consumers WHERE name = $1 FOR UPDATE",
@@ -62,15 +68,44 @@ fn lookup_for_update(consumer: &str) -> Option<Consumer> {
     .expect("reading outbox.consumers")
 }
 
+/// The lease of `consumer`, if it is a SQL sink or a subscription (`lookup_for_update`).
+fn take_leases(client: &mut pgrx::spi::SpiClient<'_>, consumer: &str) -> pgrx::spi::SpiResult<()> {
+    let leases = client.select(
+        "SELECT (SELECT s.lease_key FROM outbox.sinks s WHERE s.id = c.name AND s.kind = 'sql'), \
+                (SELECT x.lease_key FROM outbox.subscriptions x WHERE x.name = c.name) \
+           FROM outbox.consumers c WHERE c.name = $1",
+        None,
+        &[DatumWithOid::from(consumer)],
+    )?;
+    for row in leases {
+        if let Some(key) = row.get::<i32>(1)? {
+            crate::lease::xact(crate::lease::Class::Sink, key);
+        }
+        if let Some(key) = row.get::<i32>(2)? {
+            crate::lease::xact(crate::lease::Class::Subscription, key);
+        }
+    }
+    Ok(())
+}
+
 /// Validates the name argument of a consumer, sink or subscription (`what`, as the caller calls
 /// it, in messages) and refuses a caller that does not act for its owner. Returns the consumer,
 /// its row locked.
 pub fn owned(what: &'static str, name: Option<&str>, action: &'static str) -> (String, Consumer) {
+    owned_with(what, name, action, true)
+}
+
+fn owned_with(
+    what: &'static str,
+    name: Option<&str>,
+    action: &'static str,
+    leases: bool,
+) -> (String, Consumer) {
     let argument = if what == "sink" { "id" } else { what };
     let name = required(name, argument).or_report();
     names::validate(what, name).or_report();
     let me = caller();
-    let found = as_owner(|| lookup_for_update(name)).unwrap_or_else(|| {
+    let found = as_owner(|| lookup_for_update(name, leases)).unwrap_or_else(|| {
         Error::UnknownConsumer {
             what,
             name: name.into(),
@@ -95,7 +130,7 @@ pub fn owned_consumer(consumer: Option<&str>, action: &'static str) -> (String, 
 
 /// `owned_consumer`, refusing a sink (its cursor moves with its deliveries).
 fn owned_pull_consumer(consumer: Option<&str>, action: &'static str) -> (String, Consumer) {
-    let (name, found) = owned_consumer(consumer, action);
+    let (name, found) = owned_with("consumer", consumer, action, false);
     if found.kind != "pull" {
         Error::NotPull {
             name,

@@ -27,6 +27,7 @@ const PINNED: [(&CStr, &CStr); 11] = [
     (c"default_transaction_read_only", c"off"),
     (c"default_transaction_isolation", c"read committed"),
     // The handler timeout is the workers' own; no inherited timeout may cut their bookkeeping.
+    // (Each of the workers' transactions bounds its own lock waits: bound_lock_waits.)
     (c"statement_timeout", c"0"),
     (c"lock_timeout", c"0"),
     (c"idle_in_transaction_session_timeout", c"0"),
@@ -77,6 +78,20 @@ pub fn commit_without_waiting_for_flush() {
         c"off",
         pg_sys::GucAction::GUC_ACTION_LOCAL,
     );
+}
+
+/// How long a statement of the workers' own may wait for a lock (`bound_lock_waits`).
+pub const WORKER_LOCK_WAIT_MS: u32 = 1000;
+
+/// For the rest of the worker's transaction, a lock that one of its own statements waits for
+/// longer than [`WORKER_LOCK_WAIT_MS`] fails the statement (`55P03`), and the step it was part
+/// of is tried again in a later round. The workers pass over what another session holds (leases
+/// are only tried; rows a tenant's open transaction holds are skipped, SKIP LOCKED): this bounds
+/// any wait that was missed, so that no transaction another role leaves open can hold a worker.
+/// Handlers are not bound by it (their nest level sets `lock_timeout` back to 0: the handler
+/// timeout bounds them).
+pub fn bound_lock_waits() {
+    lock_timeout_local(WORKER_LOCK_WAIT_MS);
 }
 
 /// For the rest of the worker's transaction, a lock it waits for longer than `ms` fails its
@@ -158,6 +173,8 @@ impl NestLevel {
             HANDLER_SEARCH_PATH,
             pg_sys::GucAction::GUC_ACTION_SAVE,
         );
+        // The workers' own bound on lock waits is theirs (bound_lock_waits), not the handler's.
+        set_config(c"lock_timeout", c"0", pg_sys::GucAction::GUC_ACTION_SAVE);
         level
     }
 

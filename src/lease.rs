@@ -57,6 +57,14 @@ pub fn try_xact(class: Class, key: i32) -> bool {
     acquire(class, key, pg_sys::ExclusiveLock, false)
 }
 
+/// Takes the lease of `class`/`key` until the transaction ends, waiting for a worker's pass that
+/// holds it. What a role's own change to a sink or subscription does (`cursor::owned`): while its
+/// transaction stays open the workers, which only try leases, pass that consumer over instead of
+/// waiting for the rows it holds.
+pub fn xact(class: Class, key: i32) {
+    acquire(class, key, pg_sys::ExclusiveLock, true);
+}
+
 /// Shared: a cursor is being created or moved back in this transaction. Waits while pruning
 /// computes its bound (a few milliseconds).
 pub fn cursors_shared() {

@@ -307,7 +307,8 @@ fn lock_partition(k: i16) -> bool {
         Spi::run(&format!(
             "SET LOCAL lock_timeout = '{TRUNCATE_LOCK_TIMEOUT}'; \
              LOCK TABLE outbox.events_{k} IN ACCESS EXCLUSIVE MODE; \
-             SET LOCAL lock_timeout = 0"
+             SET LOCAL lock_timeout = {}",
+            crate::isolation::WORKER_LOCK_WAIT_MS
         ))
         .expect("locking a partition of the log");
     });

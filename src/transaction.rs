@@ -73,6 +73,7 @@ fn transaction<R>(lock: bool, f: impl FnOnce() -> R) -> Result<R, Failure> {
     }
     // Before anything else: every relation of the extension, or nothing (see lock_members).
     let members = if lock {
+        crate::isolation::bound_lock_waits();
         crate::dispatch::lock_members()
     } else {
         crate::dispatch::Members::Absent

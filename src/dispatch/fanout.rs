@@ -667,7 +667,6 @@ fn fan_out(
         .take_while(|s| s.same_frame(&waiting[0]) && s.cursor < last)
         .count();
     let mut group: Vec<Subscription> = waiting.drain(..inside).collect();
-    claim_rows(client, group.iter_mut().collect());
     let reads = Reads::of(&group);
     let mut tupdesc: Option<pg_sys::TupleDesc> = None;
     let mut event_type = pg_sys::InvalidOid;
@@ -686,11 +685,7 @@ fn fan_out(
         // Made an outbox.event once, for every subscription that matched it.
         let mut event: Option<pg_sys::Datum> = None;
         for (sub, class) in group.iter_mut().zip(&reads.class_of) {
-            if sub.held_off
-                || position <= sub.cursor
-                || sub.stopped_at.is_some()
-                || !sub.wants_topic(topic)
-            {
+            if position <= sub.cursor || sub.stopped_at.is_some() || !sub.wants_topic(topic) {
                 continue;
             }
             let verdict = match &sub.filter {
@@ -750,31 +745,46 @@ fn fan_out(
         // SAFETY: nothing made in it outlives the event (the contexts hold Rust values only).
         unsafe { pg_sys::MemoryContextReset(event_cx.value()) };
     }
-    // The queues of the window's matches are held until the pass commits (`hold_queues`), before
-    // a handler runs: one that cannot be (being dropped, or gone) holds off its subscriptions,
-    // whose matches are dropped and whose cursors stay.
+    // Before anything is written or a handler runs: the subscriptions' rows (`claim_rows`: their
+    // cursors and counts are written below) and the queues of their matches (`hold_queues`) are
+    // held until the pass commits. Taken now, not before the filters ran, so that the pass takes
+    // its transaction id as late as it can. A subscription whose rows or queue cannot be held is
+    // held off: its matches are dropped, and its cursor stays.
+    claim_rows(client, group.iter_mut().collect());
     let wanted: std::collections::BTreeSet<&str> = group
         .iter()
-        .filter(|s| s.verdicts.matches > 0)
+        .filter(|s| s.verdicts.matches > 0 && !s.held_off)
         .map(|s| s.queue.as_str())
         .collect();
-    if !wanted.is_empty() {
-        let held = hold_queues(client, wanted.into_iter().map(String::from).collect());
-        for sub in group.iter_mut() {
-            if sub.verdicts.matches > 0 && !held.contains(&sub.queue) {
-                sub.held_off = true;
-                sub.inline = None;
-                sub.verdicts = Verdicts::default();
-            }
+    let held = if wanted.is_empty() {
+        Default::default()
+    } else {
+        hold_queues(client, wanted.into_iter().map(String::from).collect())
+    };
+    for sub in group.iter_mut() {
+        if sub.verdicts.matches > 0 && !held.contains(&sub.queue) {
+            sub.held_off = true;
         }
-        if queues.iter().any(|q| !held.contains(q)) {
-            let keep: Vec<bool> = queues.iter().map(|q| held.contains(q)).collect();
-            retain_kept(&mut subs, &keep);
-            retain_kept(&mut queues, &keep);
-            retain_kept(&mut handlers, &keep);
-            retain_kept(&mut attempts, &keep);
-            retain_kept(&mut events, &keep);
+        if sub.held_off {
+            sub.inline = None;
+            sub.verdicts = Verdicts::default();
         }
+    }
+    let kept_off: std::collections::BTreeSet<&str> = group
+        .iter()
+        .filter(|s| s.held_off)
+        .map(|s| s.name.as_str())
+        .collect();
+    if subs.iter().any(|name| kept_off.contains(name.as_str())) {
+        let keep: Vec<bool> = subs
+            .iter()
+            .map(|n| !kept_off.contains(n.as_str()))
+            .collect();
+        retain_kept(&mut subs, &keep);
+        retain_kept(&mut queues, &keep);
+        retain_kept(&mut handlers, &keep);
+        retain_kept(&mut attempts, &keep);
+        retain_kept(&mut events, &keep);
     }
     // A handler subscription's matches run now, in this transaction; what did not (a call that
     // failed, the pass's time for them used up) is written as jobs like any other match.

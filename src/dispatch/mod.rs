@@ -1,7 +1,10 @@
 //! One delivery pass of one sink, in the worker's transaction.
 //!
-//! Lease: the sink's row is locked FOR UPDATE SKIP LOCKED for the whole pass, so exactly one
-//! worker delivers to a sink at a time, and a worker that dies releases it with its transaction.
+//! Lease: a transaction-scoped lock on the sink's lease key (`crate::lease`), only tried, held
+//! for the whole pass, so exactly one worker delivers to a sink at a time, and a worker that dies
+//! releases it with its transaction. A role's own change to the sink (pause, alter, drop, replay)
+//! takes the lease too, waiting, so the workers pass the sink over while that transaction is open
+//! instead of waiting for the rows it holds.
 //! Then: read a window with the read rule, hand the events that match the sink's topics to its
 //! handler inside a subtransaction, as the sink's owner, under `pg_outbox.sink_timeout`; on
 //! success move the cursor past the whole window in the same transaction -- the handler's writes

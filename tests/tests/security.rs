@@ -2364,6 +2364,122 @@ fn a_subscription_its_owner_pauses_in_an_open_transaction_is_held_off_not_waited
     );
 }
 
+/// A tenant that pauses its own SQL sink in a transaction it leaves open, while the sink has an
+/// event to deliver: the workers pass the sink over (its lease is the tenant's until that
+/// transaction ends) and go on with everything else; once it rolls back the sink gets every
+/// event, once.
+#[test]
+fn a_sink_its_owner_holds_in_an_open_transaction_stalls_no_worker() {
+    let db = worker_db("sec_sink_held");
+    let mut su = db.connect();
+    let mut mallory = tenant(&db, "mallory_sink", &[SINK_GRANTS]);
+    let mut app = tenant(&db, "app_sink", &[APP_GRANTS]);
+    mallory
+        .batch_execute(
+            "CREATE TABLE mallory_sink.got (n int);
+             CREATE FUNCTION mallory_sink.h(e outbox.event[]) RETURNS void LANGUAGE sql AS
+               $$ INSERT INTO mallory_sink.got SELECT (x.payload->>'n')::int FROM unnest(e) x $$;
+             SELECT outbox.create_sink('mine', 'mallory_sink.h(outbox.event[])', topics => ARRAY['orders.*']);",
+        )
+        .unwrap();
+    bystanders(&mut su);
+    let mut raising = db.connect_as("app_sink");
+    raising
+        .batch_execute("BEGIN; SELECT outbox.raise('orders.created', '{\"n\": 1}');")
+        .unwrap();
+    mallory
+        .batch_execute("BEGIN; SELECT outbox.pause_sink('mine');")
+        .unwrap();
+    raising.batch_execute("COMMIT").unwrap();
+    app.batch_execute("SELECT outbox.raise('orders.created', '{\"n\": 2}')")
+        .unwrap();
+    eventually(
+        "the other sink and subscription to go on while the tenant holds its sink",
+        Duration::from_secs(15),
+        || {
+            (count(&mut su, "SELECT count(*) FROM public.shipped") == 2
+                && count(
+                    &mut su,
+                    "SELECT count(*) FROM outbox.jobs WHERE queue = 'others'",
+                ) == 2)
+                .then_some(())
+        },
+    );
+    no_worker_waits_for_a_lock(&mut su, "while a tenant holds its own sink");
+    assert_eq!(count(&mut su, "SELECT count(*) FROM mallory_sink.got"), 0);
+    mallory.batch_execute("ROLLBACK").unwrap();
+    su.batch_execute("SELECT outbox.wake()").unwrap();
+    eventually(
+        "the held sink to get both events",
+        Duration::from_secs(15),
+        || (count(&mut su, "SELECT count(*) FROM mallory_sink.got") == 2).then_some(()),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        count(&mut su, "SELECT count(DISTINCT n) FROM mallory_sink.got"),
+        2,
+        "each event once"
+    );
+}
+
+/// Whatever the workers would wait for that no lease or SKIP LOCKED covers, they wait for at most
+/// a second, and go on: here a session holds a sink's cursor row itself, which no tenant could.
+/// The sink's pass fails and is tried again; everything else goes on; nothing is lost or doubled.
+#[test]
+fn any_lock_the_workers_would_wait_for_is_waited_for_a_second_at_most() {
+    let db = worker_db("sec_lock_backstop");
+    let mut su = db.connect();
+    let mut app = tenant(&db, "app_backstop", &[APP_GRANTS]);
+    bystanders(&mut su);
+    let mut holding = db.connect();
+    holding
+        .batch_execute("BEGIN; SELECT FROM outbox.consumers WHERE name = 'ship' FOR UPDATE;")
+        .unwrap();
+    app.batch_execute(
+        "SELECT outbox.raise('orders.created', '{\"n\": 1}');
+         SELECT outbox.raise('orders.created', '{\"n\": 2}');",
+    )
+    .unwrap();
+    eventually(
+        "the subscription to go on while the sink's row is held",
+        Duration::from_secs(15),
+        || {
+            (count(
+                &mut su,
+                "SELECT count(*) FROM outbox.jobs WHERE queue = 'others'",
+            ) == 2)
+                .then_some(())
+        },
+    );
+    eventually(
+        "the sink's pass to give up its wait",
+        Duration::from_secs(15),
+        || {
+            db.cluster()
+                .log()
+                .contains("canceling statement due to lock timeout")
+                .then_some(())
+        },
+    );
+    assert_eq!(
+        count(&mut su, "SELECT count(*) FROM public.shipped"),
+        0,
+        "what the handler did in a pass that could not save its cursor is rolled back"
+    );
+    holding.batch_execute("COMMIT").unwrap();
+    eventually(
+        "the sink to deliver once its row is free",
+        Duration::from_secs(15),
+        || (count(&mut su, "SELECT count(*) FROM public.shipped") == 2).then_some(()),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        count(&mut su, "SELECT count(DISTINCT n) FROM public.shipped"),
+        2,
+        "each event once"
+    );
+}
+
 /// CPU time the workers of this database have used, in clock ticks (read from /proc).
 fn workers_cpu_ticks(su: &mut Client) -> u64 {
     su.query(

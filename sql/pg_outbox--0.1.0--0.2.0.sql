@@ -1088,8 +1088,14 @@ LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     n integer;
 BEGIN
+    -- Not one that failed and backs off (its next_run is its retry), nor one whose row a
+    -- tenant's open transaction holds (not waited for; set_schedule places it again anyway).
     UPDATE outbox.schedules s SET next_run = outbox._zoned_instant(s.at_local, s.zone)
-     WHERE s.at_local IS NOT NULL AND s.next_run <> outbox._zoned_instant(s.at_local, s.zone);
+      FROM (SELECT x.name FROM outbox.schedules x
+             WHERE x.at_local IS NOT NULL AND x.failed_runs = 0
+               AND x.next_run <> outbox._zoned_instant(x.at_local, x.zone)
+               FOR UPDATE SKIP LOCKED) m
+     WHERE s.name = m.name;
     GET DIAGNOSTICS n = ROW_COUNT;
     RETURN n;
 END

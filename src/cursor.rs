@@ -68,20 +68,28 @@ fn lookup_for_update(consumer: &str, leases: bool) -> Option<Consumer> {
     .expect("reading outbox.consumers")
 }
 
-/// The lease of `consumer`, if it is a SQL sink or a subscription (`lookup_for_update`).
+/// The lease of `consumer`, if it is a sink or a subscription (`lookup_for_update`). An HTTP or
+/// Kafka sink's lease spans its requests and lives in the workers' shared memory: its lock keeps
+/// the workers from sending more (`dispatch::http` tries it before a window), and what flies
+/// already lands and is recorded first (`wait_for_http_lease`).
 fn take_leases(client: &mut pgrx::spi::SpiClient<'_>, consumer: &str) -> pgrx::spi::SpiResult<()> {
     let leases = client.select(
-        "SELECT (SELECT s.lease_key FROM outbox.sinks s WHERE s.id = c.name AND s.kind = 'sql'), \
-                (SELECT x.lease_key FROM outbox.subscriptions x WHERE x.name = c.name) \
-           FROM outbox.consumers c WHERE c.name = $1",
+        "SELECT s.lease_key, s.kind = 'sql', x.lease_key \
+           FROM outbox.consumers c \
+           LEFT JOIN outbox.sinks s ON s.id = c.name \
+           LEFT JOIN outbox.subscriptions x ON x.name = c.name \
+          WHERE c.name = $1",
         None,
         &[DatumWithOid::from(consumer)],
     )?;
     for row in leases {
         if let Some(key) = row.get::<i32>(1)? {
             crate::lease::xact(crate::lease::Class::Sink, key);
+            if row.get::<bool>(2)? == Some(false) {
+                crate::worker::wait_for_http_lease(key);
+            }
         }
-        if let Some(key) = row.get::<i32>(2)? {
+        if let Some(key) = row.get::<i32>(3)? {
             crate::lease::xact(crate::lease::Class::Subscription, key);
         }
     }

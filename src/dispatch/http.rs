@@ -173,7 +173,12 @@ fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
             // Dropped and made again meanwhile: the windows in flight belong to the old one.
             return Ok(Prepared::Absent);
         }
-        if !crate::worker::try_http_lease(lease_key) {
+        // A role's own change to the sink holds its lock until that transaction ends
+        // (`cursor::owned`): nothing more is sent meanwhile, so nothing lands to be recorded
+        // into the rows that change holds.
+        if !crate::lease::try_xact(crate::lease::Class::Sink, lease_key)
+            || !crate::worker::try_http_lease(lease_key)
+        {
             return Ok(Prepared::Contended);
         }
         crate::transaction::refresh_snapshot();

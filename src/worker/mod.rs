@@ -521,6 +521,56 @@ pub(crate) fn try_http_lease(key: i32) -> bool {
     }
 }
 
+/// Waits while another process holds the lease of HTTP or Kafka sink `key` of this database (its
+/// windows in flight, until their outcomes are recorded): what a role's own change to such a sink
+/// does once it holds the sink's lock (`crate::lease::xact`), which keeps the workers from
+/// sending more. The change then takes the sink's rows with nothing in flight that would record
+/// into them. It can be cancelled, and waits no longer than a request may fly
+/// (`pg_outbox.http_max_timeout`) and five seconds more: a worker that holds the lease while it
+/// does not go round (pg_outbox.enabled off, say) does not hold the change; should what it holds
+/// land later, recording it waits a second at most (`isolation::bound_lock_waits`), fails, and
+/// the window is sent again.
+pub(crate) fn wait_for_http_lease(key: i32) {
+    if !preloaded() {
+        return;
+    }
+    // SAFETY: reads backend globals.
+    let (database, pid) = unsafe { (pg_sys::MyDatabaseId.to_u32(), pg_sys::MyProcPid) };
+    let deadline = std::time::Instant::now()
+        + std::time::Duration::from_millis(
+            crate::settings::HTTP_MAX_TIMEOUT_MS.get().max(0) as u64 + 5_000,
+        );
+    while std::time::Instant::now() < deadline {
+        let held = {
+            let table = WORKERS.share();
+            table.http_leases.iter().any(|l| {
+                l.database == database
+                    && l.key == key
+                    && l.pid != 0
+                    && l.pid != pid
+                    && table
+                        .slots
+                        .get(l.slot as usize)
+                        .is_some_and(|s| s.pid == l.pid)
+            })
+        };
+        if !held {
+            return;
+        }
+        // SAFETY: a plain latch wait of a backend, 10 ms at most.
+        unsafe {
+            pg_sys::WaitLatch(
+                pg_sys::MyLatch,
+                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+                10,
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+            pg_sys::ResetLatch(pg_sys::MyLatch);
+        }
+        pg_sys::check_for_interrupts!();
+    }
+}
+
 /// Gives back this worker's lease of HTTP sink `key`, if it holds it.
 pub(crate) fn release_http_lease(key: i32) {
     // SAFETY: reads backend globals of a connected worker.

@@ -510,6 +510,8 @@ impl Worker {
                     .map(|(name, _)| name.clone())
                     .collect();
                 let started = Instant::now();
+                // More may be due than one round fires: go round again soon.
+                let mut more_each = true;
                 for _ in 0..crate::schedule::EACH_PER_ROUND {
                     if self.stopping() || started.elapsed() > crate::schedule::EACH_ROUND_TIME {
                         break;
@@ -520,12 +522,19 @@ impl Worker {
                             skip.push(name.clone());
                             self.held_each.push((name, Instant::now()));
                         }
-                        Ok(EachRun::None) => break,
+                        Ok(EachRun::None) => {
+                            more_each = false;
+                            break;
+                        }
                         Err(e) => {
                             self.failed(&format!("firing an each schedule: {e}"));
+                            more_each = false;
                             break;
                         }
                     }
+                }
+                if more_each {
+                    sleep = sleep.min(Duration::from_millis(1));
                 }
             }
             Some(ms) => sleep = sleep.min(Duration::from_millis(ms as u64)),

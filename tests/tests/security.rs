@@ -2422,6 +2422,89 @@ fn a_sink_its_owner_holds_in_an_open_transaction_stalls_no_worker() {
     );
 }
 
+/// A tenant that pauses its own HTTP sink in a transaction it leaves open, while a request of that
+/// sink is in flight: the pause waits for the request to land and be recorded, and nothing more is
+/// sent while it is open, so no worker ever waits to record into the rows it holds.
+#[test]
+fn an_http_sink_its_owner_holds_in_an_open_transaction_stalls_no_worker() {
+    use pg_outbox_tests::http_server::Receiver;
+    let db = worker_db("sec_http_sink_held");
+    let _http = Settings::loopback_http(&db);
+    let mut su = db.connect();
+    let mut mallory = tenant(
+        &db,
+        "mallory_hook",
+        &[
+            SINK_GRANTS,
+            "GRANT EXECUTE ON FUNCTION outbox.create_http_sink(text, text, text[], integer, jsonb, text, integer, text) TO {r};",
+        ],
+    );
+    let mut app = tenant(&db, "app_hook", &[APP_GRANTS]);
+    let receiver = Receiver::start(|_, _| {
+        std::thread::sleep(Duration::from_millis(1500));
+        (200, vec![])
+    });
+    mallory
+        .execute(
+            "SELECT outbox.create_http_sink('hook', $1, topics => ARRAY['orders.*'], batch_size => 1)",
+            &[&receiver.url("/in")],
+        )
+        .unwrap();
+    bystanders(&mut su);
+    // The tests share the cluster and its log: only what was logged from here on counts.
+    let logged = db.cluster().log().len();
+    app.batch_execute("SELECT outbox.raise('orders.created', '{\"n\": 1}')")
+        .unwrap();
+    // The request flies (the endpoint answers after 1.5 s) while the tenant pauses the sink.
+    std::thread::sleep(Duration::from_millis(400));
+    mallory
+        .batch_execute("BEGIN; SELECT outbox.pause_sink('hook');")
+        .unwrap();
+    app.batch_execute("SELECT outbox.raise('orders.created', '{\"n\": 2}')")
+        .unwrap();
+    eventually(
+        "the other sink and subscription to go on while the tenant holds its sink",
+        Duration::from_secs(15),
+        || {
+            (count(&mut su, "SELECT count(*) FROM public.shipped") == 2
+                && count(
+                    &mut su,
+                    "SELECT count(*) FROM outbox.jobs WHERE queue = 'others'",
+                ) == 2)
+                .then_some(())
+        },
+    );
+    no_worker_waits_for_a_lock(&mut su, "while a tenant holds its own HTTP sink");
+    mallory.batch_execute("ROLLBACK").unwrap();
+    su.batch_execute("SELECT outbox.wake()").unwrap();
+    let bodies = eventually(
+        "the HTTP sink to deliver both events",
+        Duration::from_secs(20),
+        || {
+            let ns: Vec<i64> = receiver
+                .received()
+                .iter()
+                .filter(|q| q.status == 200)
+                .flat_map(|q| serde_json::from_slice::<Vec<serde_json::Value>>(&q.body).unwrap())
+                .map(|e| e["data"]["n"].as_i64().unwrap())
+                .collect();
+            (ns.len() >= 2
+                && count(
+                    &mut su,
+                    "SELECT events_behind::int8 FROM outbox.status() WHERE name = 'hook'",
+                ) == 0)
+                .then_some(ns)
+        },
+    );
+    let mut sorted = bodies.clone();
+    sorted.sort();
+    assert_eq!(sorted, vec![1, 2], "each event once: {bodies:?}");
+    assert!(
+        !db.cluster().log()[logged..].contains("lock timeout"),
+        "a worker waited for a row the tenant held"
+    );
+}
+
 /// Whatever the workers would wait for that no lease or SKIP LOCKED covers, they wait for at most
 /// a second, and go on: here a session holds a sink's cursor row itself, which no tenant could.
 /// The sink's pass fails and is tried again; everything else goes on; nothing is lost or doubled.
@@ -2431,6 +2514,8 @@ fn any_lock_the_workers_would_wait_for_is_waited_for_a_second_at_most() {
     let mut su = db.connect();
     let mut app = tenant(&db, "app_backstop", &[APP_GRANTS]);
     bystanders(&mut su);
+    // The tests share the cluster and its log: only what was logged from here on counts.
+    let logged = db.cluster().log().len();
     let mut holding = db.connect();
     holding
         .batch_execute("BEGIN; SELECT FROM outbox.consumers WHERE name = 'ship' FOR UPDATE;")
@@ -2455,8 +2540,7 @@ fn any_lock_the_workers_would_wait_for_is_waited_for_a_second_at_most() {
         "the sink's pass to give up its wait",
         Duration::from_secs(15),
         || {
-            db.cluster()
-                .log()
+            db.cluster().log()[logged..]
                 .contains("canceling statement due to lock timeout")
                 .then_some(())
         },
@@ -2478,6 +2562,81 @@ fn any_lock_the_workers_would_wait_for_is_waited_for_a_second_at_most() {
         2,
         "each event once"
     );
+}
+
+/// A tenant that fails one of its each schedule's jobs for a retry in a transaction it leaves open:
+/// the schedule's next run would queue a job with the same key, and PostgreSQL makes that insert
+/// wait for the open transaction. The worker waits a second at most: the run is recorded as
+/// failed (and backs off), and every other schedule goes on firing.
+#[test]
+fn a_job_its_owner_holds_open_delays_its_each_schedule_not_the_workers() {
+    let db = worker_db("sec_each_key_held");
+    let mut su = db.connect();
+    let mut reports = tenant(
+        &db,
+        "reports_key",
+        &[
+            JOB_GRANTS,
+            "GRANT EXECUTE ON FUNCTION \
+             outbox.schedule(text, interval, time, text, text, text, text, jsonb, timestamp, text), \
+             outbox.unschedule(text) TO {r};",
+        ],
+    );
+    reports
+        .batch_execute(
+            "SELECT outbox.create_queue('rq');
+             SELECT outbox.schedule('mine', every => '1 second', queue => 'rq', each => 'SELECT 1 AS n');",
+        )
+        .unwrap();
+    eventually("the first run's job", Duration::from_secs(15), || {
+        (count(
+            &mut su,
+            "SELECT count(*) FROM outbox.jobs WHERE queue = 'rq'",
+        ) == 1)
+            .then_some(())
+    });
+    let job = claimed(&mut reports, "rq");
+    assert_eq!(job.len(), 1);
+    reports
+        .execute("BEGIN", &[])
+        .and_then(|_| reports.execute("SELECT outbox.fail($1, 'again', true)", &[&job[0]]))
+        .unwrap();
+    su.batch_execute("SELECT outbox.schedule('timed', every => '1 second', topic => 'their.tick')")
+        .unwrap();
+    let ticks = |su: &mut Client| {
+        count(
+            su,
+            "SELECT count(*) FROM outbox.events WHERE topic = 'their.tick'",
+        )
+    };
+    let first = eventually(
+        "the other schedule to fire",
+        Duration::from_secs(15),
+        || {
+            let n = ticks(&mut su);
+            (n > 0).then_some(n)
+        },
+    );
+    eventually(
+        "the other schedule to go on firing while the tenant's job is held",
+        Duration::from_secs(20),
+        || (ticks(&mut su) >= first + 3).then_some(()),
+    );
+    eventually(
+        "the held run to be recorded as failed",
+        Duration::from_secs(15),
+        || {
+            su.query_one(
+                "SELECT coalesce(last_error, '') FROM outbox.schedule_status() WHERE name = 'mine'",
+                &[],
+            )
+            .unwrap()
+            .get::<_, String>(0)
+            .contains("lock timeout")
+            .then_some(())
+        },
+    );
+    reports.batch_execute("ROLLBACK").unwrap();
 }
 
 /// CPU time the workers of this database have used, in clock ticks (read from /proc).

@@ -2275,6 +2275,22 @@ fn a_queue_drop_left_open_by_a_tenant_stalls_no_worker_and_leaves_no_job_behind(
     );
 }
 
+/// Waits (15 s at most) for `n` rows `from` (a table, or a table and a WHERE clause), then, a moment
+/// later, checks that no more came and that `key` tells them apart: each event once.
+fn each_once(su: &mut Client, what: &str, from: &str, key: &str, n: i64) {
+    let rows = format!("SELECT count(*) FROM {from}");
+    eventually(what, Duration::from_secs(15), || {
+        (count(su, &rows) == n).then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(count(su, &rows), n, "{what}: nothing more");
+    assert_eq!(
+        count(su, &format!("SELECT count(DISTINCT {key}) FROM {from}")),
+        n,
+        "{what}: each event once"
+    );
+}
+
 /// What a tenant does to its own subscription in a transaction it then rolls back: the worker
 /// holds the subscription off while it is open (its rows are held), and afterwards the
 /// subscription gets every event it matched meanwhile, once.
@@ -2319,32 +2335,12 @@ fn held_off_then_rolled_back(label: &str, holding: &str) {
     );
     mallory.batch_execute("ROLLBACK").unwrap();
     su.batch_execute("SELECT outbox.wake()").unwrap();
-    eventually(
+    each_once(
+        &mut su,
         "the held-off subscription to get both events",
-        Duration::from_secs(15),
-        || {
-            (count(
-                &mut su,
-                "SELECT count(*) FROM outbox.jobs WHERE queue = 'orders'",
-            ) == 2)
-                .then_some(())
-        },
-    );
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(
-        count(
-            &mut su,
-            "SELECT count(DISTINCT event) FROM outbox.jobs WHERE queue = 'orders'"
-        ),
+        "outbox.jobs WHERE queue = 'orders'",
+        "event",
         2,
-        "each event once"
-    );
-    assert_eq!(
-        count(
-            &mut su,
-            "SELECT count(*) FROM outbox.jobs WHERE queue = 'orders'"
-        ),
-        2
     );
 }
 
@@ -2409,16 +2405,12 @@ fn a_sink_its_owner_holds_in_an_open_transaction_stalls_no_worker() {
     assert_eq!(count(&mut su, "SELECT count(*) FROM mallory_sink.got"), 0);
     mallory.batch_execute("ROLLBACK").unwrap();
     su.batch_execute("SELECT outbox.wake()").unwrap();
-    eventually(
+    each_once(
+        &mut su,
         "the held sink to get both events",
-        Duration::from_secs(15),
-        || (count(&mut su, "SELECT count(*) FROM mallory_sink.got") == 2).then_some(()),
-    );
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(
-        count(&mut su, "SELECT count(DISTINCT n) FROM mallory_sink.got"),
+        "mallory_sink.got",
+        "n",
         2,
-        "each event once"
     );
 }
 
@@ -2551,16 +2543,12 @@ fn any_lock_the_workers_would_wait_for_is_waited_for_a_second_at_most() {
         "what the handler did in a pass that could not save its cursor is rolled back"
     );
     holding.batch_execute("COMMIT").unwrap();
-    eventually(
+    each_once(
+        &mut su,
         "the sink to deliver once its row is free",
-        Duration::from_secs(15),
-        || (count(&mut su, "SELECT count(*) FROM public.shipped") == 2).then_some(()),
-    );
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(
-        count(&mut su, "SELECT count(DISTINCT n) FROM public.shipped"),
+        "public.shipped",
+        "n",
         2,
-        "each event once"
     );
 }
 

@@ -928,22 +928,13 @@ fn claim_rows(client: &mut SpiClient<'_>, subs: Vec<&mut Subscription>) {
     if wanted.is_empty() {
         return;
     }
-    let names: Vec<String> = wanted.iter().map(|s| s.name.clone()).collect();
-    let got: std::collections::BTreeSet<String> = plans::update(
+    let got = locked(
         client,
         "SELECT c.name FROM outbox.consumers c JOIN outbox.subscriptions s \
              ON s.name OPERATOR(pg_catalog.=) c.name \
           WHERE c.name OPERATOR(pg_catalog.=) ANY ($1) FOR NO KEY UPDATE OF c, s SKIP LOCKED",
-        None,
-        &[DatumWithOid::from(names)],
+        wanted.iter().map(|s| s.name.clone()).collect(),
     )
-    .and_then(|rows| {
-        rows.map(|row| {
-            row.get::<String>(1)
-                .map(|name| name.expect("a subscription's name"))
-        })
-        .collect()
-    })
     .unwrap_or_else(|e| panic!("locking the subscriptions' cursors: {e}"));
     for sub in wanted {
         if got.contains(&sub.name) {
@@ -971,21 +962,25 @@ fn hold_queues(
     client: &mut SpiClient<'_>,
     queues: Vec<String>,
 ) -> std::collections::BTreeSet<String> {
-    plans::update(
+    locked(
         client,
         "SELECT q.name FROM outbox.queues q WHERE q.name OPERATOR(pg_catalog.=) ANY ($1) \
             FOR KEY SHARE OF q SKIP LOCKED",
-        None,
-        &[DatumWithOid::from(queues)],
+        queues,
     )
-    .and_then(|rows| {
-        rows.map(|row| {
-            row.get::<String>(1)
-                .map(|name| name.expect("a queue's name"))
-        })
-        .collect()
-    })
     .unwrap_or_else(|e| panic!("holding the queues of the jobs: {e}"))
+}
+
+/// The names `sql` (a kept statement that locks rows of `names`, SKIP LOCKED, and returns their
+/// names) could lock: those it left out are held by another transaction, or gone.
+fn locked(
+    client: &mut SpiClient<'_>,
+    sql: &str,
+    names: Vec<String>,
+) -> pgrx::spi::SpiResult<std::collections::BTreeSet<String>> {
+    plans::update(client, sql, None, &[DatumWithOid::from(names)])?
+        .map(|row| row.get::<String>(1).map(|name| name.expect("a name")))
+        .collect()
 }
 
 /// Runs WINDOW_SQL after `cursor` (BATCH_WINDOW_SQL within `batch`), with the text columns

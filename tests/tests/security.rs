@@ -2432,7 +2432,11 @@ fn an_http_sink_its_owner_holds_in_an_open_transaction_stalls_no_worker() {
         ],
     );
     let mut app = tenant(&db, "app_hook", &[APP_GRANTS]);
-    let receiver = Receiver::start(|_, _| {
+    // Answers after 1.5 s; says when the first request reached it.
+    let arrived = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = arrived.clone();
+    let receiver = Receiver::start(move |_, _| {
+        seen.store(true, std::sync::atomic::Ordering::SeqCst);
         std::thread::sleep(Duration::from_millis(1500));
         (200, vec![])
     });
@@ -2448,7 +2452,15 @@ fn an_http_sink_its_owner_holds_in_an_open_transaction_stalls_no_worker() {
     app.batch_execute("SELECT outbox.raise('orders.created', '{\"n\": 1}')")
         .unwrap();
     // The request flies (the endpoint answers after 1.5 s) while the tenant pauses the sink.
-    std::thread::sleep(Duration::from_millis(400));
+    eventually(
+        "the request to reach the endpoint",
+        Duration::from_secs(10),
+        || {
+            arrived
+                .load(std::sync::atomic::Ordering::SeqCst)
+                .then_some(())
+        },
+    );
     mallory
         .batch_execute("BEGIN; SELECT outbox.pause_sink('hook');")
         .unwrap();

@@ -12,6 +12,7 @@
 //! The matches of a batch that fails, or that the pass has no time left for, are written as
 //! jobs, and the job runner (`dispatch::jobs`) retries them one by one as before.
 
+use super::rows::{allocating_in, deformed_rows, event_array, Column, Row};
 use super::PassResult;
 use crate::cursor::{self, At, Batch};
 use crate::plans;
@@ -282,122 +283,6 @@ const BATCH_WINDOW_SQL: &str = "\
                                 $6::pg_catalog.text::pg_catalog.pg_snapshot, \
                                 $1::pg_catalog.xid8, $2, $3) r \
      ORDER BY r.txid, r.seq";
-
-/// The columns of `WINDOW_SQL`, as `Row` holds them.
-#[derive(Clone, Copy)]
-enum Column {
-    Txid,
-    Seq,
-    Id,
-    Topic,
-    Subject,
-    Tenant,
-    Payload,
-    Headers,
-    RaisedAt,
-    RaisedAtText,
-    EventType,
-}
-const COLUMNS: usize = 11;
-
-/// One row of the window, deformed once (SPI's per-column access walks the tuple again for each
-/// column after a variable-length one).
-struct Row {
-    values: [pg_sys::Datum; COLUMNS],
-    nulls: [bool; COLUMNS],
-}
-
-impl Row {
-    fn get(&self, c: Column) -> Option<pg_sys::Datum> {
-        (!self.nulls[c as usize]).then_some(self.values[c as usize])
-    }
-
-    fn position(&self) -> Position {
-        let txid = self.get(Column::Txid).expect("txid").value() as u64;
-        let seq = self.get(Column::Seq).expect("seq").value() as i64;
-        Position::new(txid, seq)
-    }
-
-    /// A text column (topic, subject, tenant, the text ones).
-    fn text(&self, c: Column) -> Option<&str> {
-        // SAFETY: the column is text (WINDOW_SQL), its datum alive in the window's rows.
-        self.get(c)
-            .and_then(|d| unsafe { <&str as pgrx::FromDatum>::from_datum(d, false) })
-    }
-
-    /// A jsonb column's uncompressed size (of its header, not decompressed).
-    fn size(&self, c: Column) -> i64 {
-        self.get(c)
-            .map_or(0, |d| crate::raw::RawJsonb(d).raw_size() as i64)
-    }
-
-    /// The event as an outbox.event (a composite datum in the current memory context).
-    fn event(&self, tupdesc: pg_sys::TupleDesc) -> pg_sys::Datum {
-        use Column::*;
-        let position = self.position();
-        let position = pgrx::IntoDatum::into_datum(format!("{}:{}", position.txid, position.seq))
-            .expect("text");
-        let columns = [Id, Txid, Topic, Subject, Tenant, Payload, Headers, RaisedAt];
-        let mut values = columns.map(|c| self.values[c as usize]);
-        let mut nulls = columns.map(|c| self.nulls[c as usize]);
-        (values[1], nulls[1]) = (position, false);
-        // SAFETY: `tupdesc` is outbox.event's, whose columns these are in its order; the datums
-        // are alive (the window's rows, the text just made). HeapTupleHeaderGetDatum flattens
-        // values stored out of line into the composite, as a composite datum must be.
-        unsafe {
-            assert_eq!(
-                (*tupdesc).natts as usize,
-                columns.len(),
-                "outbox.event's columns"
-            );
-            let tuple = pg_sys::heap_form_tuple(tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
-            pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
-        }
-    }
-}
-
-/// The rows of the result the last SPI statement returned, deformed, and that result (to free
-/// once they are no longer used: SPI keeps every result until the connection ends).
-fn deformed_rows() -> (Vec<Row>, *mut pg_sys::SPITupleTable) {
-    // SAFETY: called right after the window's SELECT, whose result SPI_tuptable is (alive until
-    // the SPI connection ends); it has COLUMNS columns.
-    unsafe {
-        let table = pg_sys::SPI_tuptable;
-        if table.is_null() {
-            return (Vec::new(), table);
-        }
-        let tupdesc = (*table).tupdesc;
-        assert_eq!((*tupdesc).natts as usize, COLUMNS, "the window's columns");
-        let n = (*table).numvals as usize;
-        let mut rows = Vec::with_capacity(n);
-        for i in 0..n {
-            let mut row = Row {
-                values: [pg_sys::Datum::from(0); COLUMNS],
-                nulls: [true; COLUMNS],
-            };
-            pg_sys::heap_deform_tuple(
-                *(*table).vals.add(i),
-                tupdesc,
-                row.values.as_mut_ptr(),
-                row.nulls.as_mut_ptr(),
-            );
-            rows.push(row);
-        }
-        (rows, table)
-    }
-}
-
-/// Runs `f` with `cx` as the current memory context (back to the one before afterwards; an
-/// error aborts the transaction, which resets it anyway).
-fn allocating_in<R>(cx: pg_sys::MemoryContext, f: impl FnOnce() -> R) -> R {
-    // SAFETY: `cx` is a live memory context of this transaction.
-    unsafe {
-        let before = pg_sys::MemoryContextSwitchTo(cx);
-        let result = f();
-        pg_sys::MemoryContextSwitchTo(before);
-        result
-    }
-}
 
 thread_local! {
     /// The most events the next window reads, after a window the byte cap cut short: about
@@ -1119,7 +1004,7 @@ impl<'w> EventReader<'w> {
             Operand::Topic => Scalar::string(self.topic),
             Operand::Subject => text(allocating_in(self.cx, || row.text(Column::Subject))),
             Operand::Tenant => text(allocating_in(self.cx, || row.text(Column::Tenant))),
-            Operand::RaisedAt => Scalar::string(row.text(Column::RaisedAtText).unwrap_or_default()),
+            Operand::RaisedAt => Scalar::string(row.text(Column::Extra).unwrap_or_default()),
             Operand::Payload(key) => self.field(true, key),
             Operand::Headers(key) => self.field(false, key),
         }
@@ -1181,7 +1066,7 @@ impl<'w> EventReader<'w> {
                 tenant,
                 payload: payload.as_ref().unwrap_or(&serde_json::Value::Null),
                 headers: headers.as_ref().unwrap_or(&serde_json::Value::Null),
-                raised_at: self.row.text(Column::RaisedAtText).unwrap_or_default(),
+                raised_at: self.row.text(Column::Extra).unwrap_or_default(),
             };
             self.contexts[class] = Some(match unreadable {
                 // Never handed over as null: a filter that reads it fails instead.
@@ -1291,24 +1176,6 @@ const WAITING_SQL: &str = "\
      WHERE EXISTS (SELECT FROM outbox.jobs j \
                     WHERE j.queue OPERATOR(pg_catalog.=) $1 AND j.subscription OPERATOR(pg_catalog.=) $2 \
                       AND j.event OPERATOR(pg_catalog.=) e.id AND j.state OPERATOR(pg_catalog.=) 'waiting')";
-
-/// An outbox.event[] of `events` (outbox.event datums), in the current memory context.
-fn event_array(events: &[pg_sys::Datum], event_type: pg_sys::Oid) -> pg_sys::Datum {
-    let mut elems = events.to_vec();
-    // SAFETY: `elems` are outbox.event datums (composites: varlena, double-aligned) alive in this
-    // SPI connection; construct_array copies them into an array palloc'd in the current context.
-    let array = unsafe {
-        pg_sys::construct_array(
-            elems.as_mut_ptr(),
-            elems.len() as i32,
-            event_type,
-            -1,
-            false,
-            pg_sys::TYPALIGN_DOUBLE as std::ffi::c_char,
-        )
-    };
-    pg_sys::Datum::from(array)
-}
 
 /// Runs `sub`'s handler on its `matches` (in window order), as its owner, in batches (see
 /// [`INLINE_BATCH`]), each in a subtransaction of the pass's transaction: the handler's writes

@@ -15,6 +15,7 @@ pub mod fanout;
 pub mod http;
 pub mod jobs;
 pub mod kafka;
+mod rows;
 
 use crate::cursor::{self, At, Batch};
 use crate::plans;
@@ -23,8 +24,10 @@ use crate::transaction::{in_subtransaction, Failure};
 use pg_outbox_core::policy::{AfterFailure, AfterNeighbour, SinkState};
 use pg_outbox_core::Position;
 use pgrx::datum::DatumWithOid;
+use pgrx::memcxt::PgMemoryContexts;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
+use rows::{Column, Row};
 use std::time::{Duration, Instant};
 
 // utils/timeout.h is not among pgrx's bindings. STATEMENT_TIMEOUT is the fourth TimeoutId in
@@ -422,12 +425,24 @@ struct Window {
     events: Option<pg_sys::Datum>,
 }
 
-const WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
-        count(*) FILTER (WHERE $4::text IS NULL OR r.topic ~ $4)::int8, \
-        pg_catalog.array_agg(ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, \
-                                 r.raised_at)::outbox.event ORDER BY r.n) \
-            FILTER (WHERE $4::text IS NULL OR r.topic ~ $4) \
-   FROM outbox._read_window($1::pg_catalog.xid8, $2, $3, $5) r";
+/// A window's rows: the read rule's next events after a cursor ($1, $2), at most $3, with the
+/// log's columns as they are (`rows::Column`), and whether the sink's topics ($4, a regular
+/// expression; NULL: all) match each. [`read_window_in`] cuts them at the byte cap, counts them
+/// and makes the matching ones the handler's outbox.event[].
+const ROWS_SQL: &str = "\
+    SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at, \
+           ($4::text IS NULL OR r.topic ~ $4), 'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
+      FROM outbox._read_log($1::pg_catalog.xid8, $2, $3) r \
+     ORDER BY r.txid, r.seq";
+
+/// [`ROWS_SQL`] for a reader by ticks: within its batch, from the snapshot it starts from ($5)
+/// to its tick's ($6).
+const BATCH_ROWS_SQL: &str = "\
+    SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at, \
+           ($4::text IS NULL OR r.topic ~ $4), 'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
+      FROM outbox._snapshot_log($5::text::pg_catalog.pg_snapshot, $6::text::pg_catalog.pg_snapshot, \
+                                $1::pg_catalog.xid8, $2, $3) r \
+     ORDER BY r.txid, r.seq";
 
 fn read_window(
     client: &SpiClient<'_>,
@@ -473,43 +488,58 @@ fn read_window_in(
     max: u32,
     regex: &Option<String>,
 ) -> Result<Window, pgrx::spi::Error> {
-    let max_bytes = settings::MAX_BATCH_BYTES.get() as i64;
-    let table = match &after.batch {
-        None => plans::select(
-            client,
-            WINDOW_SQL,
-            Some(1),
-            &[
-                DatumWithOid::from(after.pos.txid.to_string()),
-                DatumWithOid::from(after.pos.seq),
-                DatumWithOid::from(max as i32),
-                DatumWithOid::from(regex.clone()),
-                DatumWithOid::from(max_bytes),
-            ],
-        )?,
-        Some(batch) => plans::select(
-            client,
-            BATCH_WINDOW_SQL,
-            Some(1),
-            &[
-                DatumWithOid::from(after.pos.txid.to_string()),
-                DatumWithOid::from(after.pos.seq),
-                DatumWithOid::from(max as i32),
-                DatumWithOid::from(regex.clone()),
-                DatumWithOid::from(max_bytes),
-                DatumWithOid::from(batch.since.as_str()),
-                DatumWithOid::from(batch.upto.as_str()),
-            ],
-        )?,
+    let mut args = vec![
+        DatumWithOid::from(after.pos.txid.to_string()),
+        DatumWithOid::from(after.pos.seq),
+        DatumWithOid::from(max as i32),
+        DatumWithOid::from(regex.clone()),
+    ];
+    let sql = match &after.batch {
+        None => ROWS_SQL,
+        Some(batch) => {
+            args.push(DatumWithOid::from(batch.since.as_str()));
+            args.push(DatumWithOid::from(batch.upto.as_str()));
+            BATCH_ROWS_SQL
+        }
     };
-    let row = table.first();
-    let count = row.get::<i64>(1)?.unwrap_or(0) as usize;
-    let last = row.get::<String>(2)?.map(|p| At {
-        pos: p.parse().expect("positions are well-formed"),
+    plans::select(client, sql, None, &args)?;
+    let (rows, table) = rows::deformed_rows();
+    // Cut before the payloads and headers pass the byte cap, never before the first event (the
+    // rule `outbox._read_window` states in SQL, which `window_shape` reads by).
+    let max_bytes = settings::MAX_BATCH_BYTES.get() as i64;
+    let (mut count, mut bytes) = (0, 0i64);
+    for row in &rows {
+        bytes += row.size(Column::Payload) + row.size(Column::Headers);
+        if count > 0 && bytes > max_bytes {
+            break;
+        }
+        count += 1;
+    }
+    let rows = &rows[..count];
+    let last = rows.last().map(|row| At {
+        pos: row.position(),
         batch: after.batch.clone(),
     });
-    let matching = row.get::<i64>(3)?.unwrap_or(0) as usize;
-    let events = row.get_datum_by_ordinal(4)?;
+    let matches: Vec<&Row> = rows
+        .iter()
+        .filter(|row| row.get(Column::Extra).is_some_and(|m| m.value() != 0))
+        .collect();
+    let matching = matches.len();
+    let events = matches.first().map(|first| {
+        let event_type =
+            pg_sys::Oid::from(first.get(Column::EventType).expect("outbox.event").value() as u32);
+        // The events one by one, freed once the array holds them.
+        let scratch = PgMemoryContexts::new("pg_outbox sink window");
+        let events: Vec<pg_sys::Datum> = rows::allocating_in(scratch.value(), || {
+            // SAFETY: outbox.event is a composite type; the copy lives in `scratch`, as long as
+            // the datums made with it.
+            let tupdesc = unsafe { pg_sys::lookup_rowtype_tupdesc_copy(event_type, -1) };
+            matches.iter().map(|row| row.event(tupdesc)).collect()
+        });
+        rows::event_array(&events, event_type)
+    });
+    // SAFETY: nothing read from the rows is used past here (the array holds copies).
+    unsafe { pg_sys::SPI_freetuptable(table) };
     let more = count as u32 >= max
         || match &after.batch {
             Some(batch) if count > 0 => later_tick(client, batch.tick)?,
@@ -536,16 +566,6 @@ pub(crate) fn later_tick(client: &SpiClient<'_>, tick: i64) -> Result<bool, pgrx
     .get::<bool>(1)?
     .unwrap_or(false))
 }
-
-/// [`WINDOW_SQL`] for a reader by ticks: within its batch ($6, the snapshot it starts from, and
-/// $7, its tick's).
-const BATCH_WINDOW_SQL: &str = "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
-        count(*) FILTER (WHERE $4::text IS NULL OR r.topic ~ $4)::int8, \
-        pg_catalog.array_agg(ROW(r.id, r.position, r.topic, r.subject, r.tenant, r.payload, r.headers, \
-                                 r.raised_at)::outbox.event ORDER BY r.n) \
-            FILTER (WHERE $4::text IS NULL OR r.topic ~ $4) \
-   FROM outbox._batch_window($6::text::pg_catalog.pg_snapshot, $7::text::pg_catalog.pg_snapshot, \
-                             $1::pg_catalog.xid8, $2, $3, $5) r";
 
 /// The start of the batch after `at`'s, once a tick after its tick is taken: that batch starts
 /// from the snapshot `at`'s ended at. None for a read-horizon cursor.

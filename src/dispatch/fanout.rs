@@ -91,6 +91,9 @@ struct Subscription {
     /// A subscription with a handler: its matches in this window, to run in this pass
     /// (`run_inline`) rather than be written as jobs. None: they are written as jobs.
     inline: Option<Vec<pg_sys::Datum>>,
+    /// Matches its next handler call in this pass gets (`run_inline`): the pace its calls so far
+    /// in this pass allow, so that a pass of several windows does not start each at the smallest.
+    next_call: usize,
     /// Windows it read in this pass.
     windows: usize,
     /// Its rows are locked for this pass (`claim_rows`).
@@ -248,6 +251,7 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
             spent: std::time::Duration::ZERO,
             stopped_at: None,
             inline: None,
+            next_call: INLINE_FIRST,
             windows: 0,
             claimed: false,
             held_off: false,
@@ -419,6 +423,14 @@ pub fn pass(names: &[&str]) -> (PassResult, bool) {
                     && sub.windows < CATCH_UP_WINDOWS
                     && sub.stopped_at.is_none()
                 {
+                    insert_by_key(&mut subs, sub);
+                } else if f
+                    && sub.inline.is_some()
+                    && sub.stopped_at.is_none()
+                    && budget.more_windows(&sub, started)
+                {
+                    // A handler subscription with more to read reads on while the pass has the
+                    // calls and time for its handler: one commit for several windows.
                     insert_by_key(&mut subs, sub);
                 } else if !f && sub.batch.is_some() && sub.stopped_at.is_none() {
                     // At the end of its batch: on to the next, in this pass.
@@ -1166,6 +1178,19 @@ struct InlineBudget {
     inserts: usize,
 }
 
+impl InlineBudget {
+    /// Whether `sub`, a handler subscription whose window came full, reads another in this pass:
+    /// while the calls and the handlers' time left could run a whole window at the pace of this
+    /// pass so far (twice over, for time), so that none of its matches is written as a job for
+    /// want of them; and no later than `BATCHES_TIME` into the pass (its handlers' writes gave it
+    /// a transaction id, which holds back the readers by the read horizon until it commits).
+    fn more_windows(&self, sub: &Subscription, started: std::time::Instant) -> bool {
+        let calls = WINDOW.div_ceil(sub.next_call.max(1));
+        let per_window = INLINE_BUDGET.saturating_sub(self.time) / sub.windows.max(1) as u32;
+        self.calls >= calls && self.time >= 2 * per_window && started.elapsed() < BATCHES_TIME
+    }
+}
+
 /// Which of the events of `$3` (an outbox.event[]) have a job of subscription `$2` on queue `$1`
 /// still waiting (a cursor moved back by hand): their ordinals, left out of a handler call as
 /// the job INSERT's ON CONFLICT leaves them out of the queue.
@@ -1189,7 +1214,7 @@ const WAITING_SQL: &str = "\
 /// (`dispatch::jobs`), exactly as if it had been queued.
 fn run_inline(
     client: &mut SpiClient<'_>,
-    sub: &Subscription,
+    sub: &mut Subscription,
     matches: &[pg_sys::Datum],
     event_type: pg_sys::Oid,
     budget: &mut InlineBudget,
@@ -1220,7 +1245,7 @@ fn run_inline(
     // SAFETY: the array type of outbox.event, whose oid the window read.
     let array_type = unsafe { pg_sys::get_array_type(event_type) };
     let sql = format!("SELECT {call}(e) FROM pg_catalog.unnest($1::outbox.event[]) e");
-    let (mut ran, mut size) = (0, INLINE_FIRST);
+    let (mut ran, mut size) = (0, sub.next_call);
     while ran < matches.len() && budget.calls > 0 && budget.time.as_millis() >= 1 {
         budget.calls -= 1;
         let batch = &matches[ran..matches.len().min(ran + size)];
@@ -1304,6 +1329,7 @@ fn run_inline(
             size = next;
         }
     }
+    sub.next_call = size.max(1);
     ran
 }
 

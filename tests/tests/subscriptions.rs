@@ -610,6 +610,52 @@ fn a_handler_runs_its_matches_in_the_pass_that_finds_them_and_only_failures_beco
 }
 
 #[test]
+fn a_handlers_backlog_runs_several_windows_to_a_commit_and_writes_no_job() {
+    let (_db, mut c, owner) = effects_db("sub_inline_windows");
+    c.batch_execute(&format!(
+        "UPDATE flaky SET on_ = false;
+         -- The transaction each effect committed in (a handler call's subtransaction is its xmin).
+         ALTER TABLE effects ADD COLUMN tx xid8 DEFAULT pg_current_xact_id();
+         SET ROLE {owner};
+         SELECT outbox.subscribe('apply', '{{work.*}}', handler => 'apply_event(outbox.event)');
+         RESET ROLE;
+         SELECT outbox.pause_subscription('apply');"
+    ))
+    .unwrap();
+    // Three windows of a fan-out pass with a handler (1,000 events each), waiting.
+    c.batch_execute(
+        "SELECT outbox.raise('work.item', jsonb_build_object('n', n)) FROM generate_series(1, 3000) n",
+    )
+    .unwrap();
+    c.batch_execute("SELECT outbox.resume_subscription('apply')")
+        .unwrap();
+    eventually("the backlog to run", Duration::from_secs(120), || {
+        (count(&mut c, "SELECT count(*) FROM effects") >= 3000).then_some(())
+    });
+    caught_up(&mut c);
+    let row = c
+        .query_one(
+            "SELECT count(*), count(DISTINCT n), count(DISTINCT tx) FROM effects",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, i64>(0), row.get::<_, i64>(1)),
+        (3000, 3000),
+        "each effect exactly once"
+    );
+    // A pass reads on while its handler has the calls and time for another window: the three
+    // windows commit in fewer transactions than one a window.
+    let commits: i64 = row.get(2);
+    assert!(commits < 3, "3 windows took {commits} commits");
+    assert_eq!(
+        count(&mut c, "SELECT count(*) FROM written"),
+        0,
+        "no match is written as a job while the pass has the time for it"
+    );
+}
+
+#[test]
 fn a_handler_that_overruns_the_pass_is_cut_off_and_its_matches_are_queued() {
     let (_db, mut c, owner) = effects_db("sub_inline_slow");
     // Two subscriptions in one pass: a fast handler, and one that takes 10 ms an event (a call

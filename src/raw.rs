@@ -297,9 +297,12 @@ unsafe fn scalar<'a>(v: &pg_sys::JsonbValue) -> Scalar<'a> {
                 );
                 std::str::from_utf8(bytes).map_or(Scalar::Other, Scalar::string)
             }
-            jbvType::jbvNumeric => match scalar_or_container_json(v) {
-                Ok(serde_json::Value::Number(n)) => Scalar::number(&n),
-                _ => Scalar::Other,
+            jbvType::jbvNumeric => match small_integer(v.val.numeric) {
+                Some(i) => Scalar::Int(i),
+                None => match scalar_or_container_json(v) {
+                    Ok(serde_json::Value::Number(n)) => Scalar::number(&n),
+                    _ => Scalar::Other,
+                },
             },
             _ => Scalar::Other,
         }
@@ -337,6 +340,9 @@ unsafe fn scalar_or_container_json(v: &pg_sys::JsonbValue) -> Result<serde_json:
             );
             serde_json::Value::String(String::from_utf8_lossy(bytes).into_owned())
         }
+        jbvType::jbvNumeric if small_integer(v.val.numeric).is_some() => {
+            serde_json::Value::from(small_integer(v.val.numeric).expect("just read"))
+        }
         jbvType::jbvNumeric => {
             let text = pgrx::direct_function_call_as_datum(
                 pg_sys::numeric_out,
@@ -349,6 +355,68 @@ unsafe fn scalar_or_container_json(v: &pg_sys::JsonbValue) -> Result<serde_json:
         jbvType::jbvBinary => container_json(v.val.binary.data, v.val.binary.len)?,
         other => return Err(format!("unexpected jsonb value of type {other}")),
     })
+}
+
+/// The integer a numeric holds, read from its digits, when `numeric_out` would print it without
+/// a decimal point (display scale 0) and it fits an i64: what printing and parsing it would give,
+/// without either (most fields filters compare are such). None otherwise (a fraction, a large or
+/// long-format value): print and parse it then.
+///
+/// # Safety
+/// `n` points at a numeric (any varlena header) alive in memory.
+unsafe fn small_integer(n: pg_sys::Numeric) -> Option<i64> {
+    // numeric.c: a short-format header is 0b10 (short), a sign bit, 6 bits of display scale, and
+    // a 7-bit weight (sign and 6 bits), in base-10000 digits (int16) after it. Numerics stored in
+    // a jsonb keep the header they came with, so the varlena's may be short and its data
+    // unaligned: read byte by byte.
+    const SHORT: u16 = 0x8000;
+    const FORMAT_MASK: u16 = 0xC000;
+    const NEGATIVE: u16 = 0x2000;
+    const DSCALE_MASK: u16 = 0x1F80;
+    const WEIGHT_NEGATIVE: u16 = 0x0040;
+    const WEIGHT_MASK: u16 = 0x003F;
+    // SAFETY: `n` is a varlena (the caller's promise); its data holds `len` bytes.
+    let (data, len) = unsafe {
+        let varlena = n.cast::<pg_sys::varlena>();
+        (
+            pgrx::varlena::vardata_any(varlena).cast::<u8>(),
+            pgrx::varlena::varsize_any_exhdr(varlena),
+        )
+    };
+    // SAFETY: `i` is within the `len` bytes of the numeric's data.
+    let word = |i: usize| unsafe { u16::from_ne_bytes([*data.add(i), *data.add(i + 1)]) };
+    if len < 2 {
+        return None;
+    }
+    let header = word(0);
+    if header & FORMAT_MASK != SHORT || header & DSCALE_MASK != 0 {
+        return None;
+    }
+    let weight = (header & WEIGHT_MASK) as i32 - if header & WEIGHT_NEGATIVE != 0 { 64 } else { 0 };
+    let digits = (len - 2) / 2;
+    if digits == 0 {
+        return Some(0);
+    }
+    // Trailing zero digits are not stored: digits past the last are zeros.
+    if weight < 0 || digits as i32 > weight + 1 {
+        return None;
+    }
+    let mut value: i64 = 0;
+    for i in 0..=weight as usize {
+        let digit = if i < digits {
+            word(2 + 2 * i) as i16
+        } else {
+            0
+        };
+        if !(0..10000).contains(&digit) {
+            return None;
+        }
+        value = value.checked_mul(10000)?.checked_add(digit as i64)?;
+    }
+    if header & NEGATIVE != 0 {
+        value = value.checked_neg()?;
+    }
+    Some(value)
 }
 
 /// A jsonb container printed (as jsonb_out prints it) and parsed.

@@ -101,6 +101,20 @@ struct Worker {
 /// Custom settings handlers may leave in the worker before it restarts to drop them.
 const SETTINGS_GROWTH_MAX: i32 = 2_000;
 
+/// Keeps the memory a window freed for the next one. A window of a few thousand events is a
+/// few MB of rows, events and arrays, freed when it is done: with glibc's defaults those blocks
+/// are mapped and unmapped (or the heap trimmed) at every window, and each page of the next one
+/// faulted in again (about a tenth of a fan-out pass's time in perf). Blocks up to 32 MB come from
+/// the heap instead, and up to 64 MB freed at its top stay there; a larger allocation (a window
+/// near `max_batch_bytes`, say) is still mapped on its own and given back when freed.
+fn keep_freed_memory() {
+    // SAFETY: mallopt only tunes this process's allocator, before the worker allocates much.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
+    }
+}
+
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
@@ -113,6 +127,7 @@ pub extern "C-unwind" fn pg_outbox_worker_main(arg: pg_sys::Datum) {
         unsafe { pg_sys::InterruptPending != 0 }
     });
     slot_claimed(slot);
+    keep_freed_memory();
     let oid = super::slot_database(slot);
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(pg_sys::Oid::from(oid)), None);
     let hung = slot_started(slot);

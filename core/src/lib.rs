@@ -17,6 +17,7 @@ pub mod pattern;
 pub mod policy;
 pub mod position;
 pub mod rotation;
+pub mod snapshot;
 pub mod topic;
 
 pub use position::{Position, StartAt};

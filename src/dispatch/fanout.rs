@@ -12,7 +12,7 @@
 //! The matches of a batch that fails, or that the pass has no time left for, are written as
 //! jobs, and the job runner (`dispatch::jobs`) retries them one by one as before.
 
-use super::rows::{allocating_in, deformed_rows, event_array, Column, Row};
+use super::rows::{self, allocating_in, deformed_rows, event_array, Column, Row};
 use super::PassResult;
 use crate::cursor::{self, At, Batch};
 use crate::plans;
@@ -265,28 +265,25 @@ fn lease(client: &mut SpiClient<'_>, names: &[&str]) -> (Vec<Subscription>, bool
     (subs, contended)
 }
 
-/// The window: the read rule's next events after a cursor ($1, $2), at most $3, with the log's
-/// columns as they are (`Column`): values stored out of line stay so, and the byte cap is applied
-/// while reading them (`fan_out`); an event is made an outbox.event only once a filter matched
-/// it, and its payload and headers are read for filters only then too (`EventReader`). As text
-/// only raised_at, when a filter reads it ($4).
-const WINDOW_SQL: &str = "\
-    SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at, \
-           CASE WHEN $4 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END, \
-           'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
-      FROM outbox._read_log($1::pg_catalog.xid8, $2, $3) r \
-     ORDER BY r.txid, r.seq";
-
-/// [`WINDOW_SQL`] for subscriptions that read by ticks: within their batch, from the snapshot $5
-/// to the snapshot $6 (outbox._snapshot_log, the same columns).
-const BATCH_WINDOW_SQL: &str = "\
-    SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at, \
-           CASE WHEN $4 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END, \
-           'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
-      FROM outbox._snapshot_log($5::pg_catalog.text::pg_catalog.pg_snapshot, \
-                                $6::pg_catalog.text::pg_catalog.pg_snapshot, \
-                                $1::pg_catalog.xid8, $2, $3) r \
-     ORDER BY r.txid, r.seq";
+/// The window: the next events after a cursor, at most $3, with the log's columns as they are
+/// (`Column`): values stored out of line stay so, and the byte cap is applied while reading them
+/// (`fan_out`); an event is made an outbox.event only once a filter matched it, and its payload
+/// and headers are read for filters only then too (`EventReader`). As text only raised_at, when
+/// a filter reads it ($4).
+const WINDOW_SQL: rows::WindowSql = {
+    use rows::{from_both_parts, from_horizon, from_range, window_sql};
+    macro_rules! raised_at_text {
+        () => {
+            "CASE WHEN $4 THEN pg_catalog.to_char(r.raised_at AT TIME ZONE 'UTC', \
+                                                  'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END"
+        };
+    }
+    rows::WindowSql {
+        horizon: window_sql!(raised_at_text!(), from_horizon!()),
+        range: window_sql!(raised_at_text!(), from_range!()),
+        both_parts: window_sql!(raised_at_text!(), from_both_parts!()),
+    }
+};
 
 thread_local! {
     /// The most events the next window reads, after a window the byte cap cut short: about
@@ -532,16 +529,7 @@ fn fan_out(
     let window_cx = PgMemoryContexts::new("pg_outbox fan-out window");
     // What filters read of one event: freed after each.
     let event_cx = PgMemoryContexts::new("pg_outbox fan-out event");
-    // Cut before the payloads and headers pass the byte cap (never before the first event).
-    let max_bytes = crate::settings::MAX_BATCH_BYTES.get() as i64;
-    let (mut end, mut bytes) = (0, 0i64);
-    for row in &rows {
-        bytes += row.size(Column::Payload) + row.size(Column::Headers);
-        if end > 0 && bytes > max_bytes {
-            break;
-        }
-        end += 1;
-    }
+    let end = rows::within_bytes(&rows);
     let full = end < rows.len() || rows.len() >= window;
     NEXT_LIMIT.set(if end < rows.len() {
         Some((2 * end).max(16))
@@ -880,8 +868,8 @@ fn locked(
         .collect()
 }
 
-/// Runs WINDOW_SQL after `cursor` (BATCH_WINDOW_SQL within `batch`), with the text columns
-/// `reads` asks for; its rows are then SPI's last result (`deformed_rows`).
+/// Runs WINDOW_SQL after `cursor` (within `batch`), with the text columns `reads` asks for; its
+/// rows are then SPI's last result (`deformed_rows`).
 fn rows_of_window(
     client: &mut SpiClient<'_>,
     cursor: Position,
@@ -889,21 +877,18 @@ fn rows_of_window(
     window: usize,
     reads: &Reads,
 ) {
-    let mut args = vec![
-        DatumWithOid::from(cursor.txid.to_string()),
-        DatumWithOid::from(cursor.seq),
-        DatumWithOid::from(window as i32),
-        DatumWithOid::from(reads.uses("raised_at")),
-    ];
-    let sql = match batch {
-        None => WINDOW_SQL,
-        Some(b) => {
-            args.push(DatumWithOid::from(b.since.as_str()));
-            args.push(DatumWithOid::from(b.upto.as_str()));
-            BATCH_WINDOW_SQL
-        }
+    let after = At {
+        pos: cursor,
+        batch: batch.cloned(),
     };
-    plans::select(client, sql, None, &args).expect("reading a fan-out window");
+    rows::select_window(
+        client,
+        &WINDOW_SQL,
+        &after,
+        window,
+        DatumWithOid::from(reads.uses("raised_at")),
+    )
+    .expect("reading a fan-out window");
 }
 
 /// What the filters of a window read of each event: each filter's share (filters that read the

@@ -425,24 +425,23 @@ struct Window {
     events: Option<pg_sys::Datum>,
 }
 
-/// A window's rows: the read rule's next events after a cursor ($1, $2), at most $3, with the
-/// log's columns as they are (`rows::Column`), and whether the sink's topics ($4, a regular
-/// expression; NULL: all) match each. [`read_window_in`] cuts them at the byte cap, counts them
-/// and makes the matching ones the handler's outbox.event[].
-const ROWS_SQL: &str = "\
-    SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at, \
-           ($4::text IS NULL OR r.topic ~ $4), 'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
-      FROM outbox._read_log($1::pg_catalog.xid8, $2, $3) r \
-     ORDER BY r.txid, r.seq";
-
-/// [`ROWS_SQL`] for a reader by ticks: within its batch, from the snapshot it starts from ($5)
-/// to its tick's ($6).
-const BATCH_ROWS_SQL: &str = "\
-    SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at, \
-           ($4::text IS NULL OR r.topic ~ $4), 'outbox.event'::pg_catalog.regtype::pg_catalog.oid \
-      FROM outbox._snapshot_log($5::text::pg_catalog.pg_snapshot, $6::text::pg_catalog.pg_snapshot, \
-                                $1::pg_catalog.xid8, $2, $3) r \
-     ORDER BY r.txid, r.seq";
+/// A window's rows: the next events after a cursor, at most $3, with the log's columns as they
+/// are (`rows::Column`), and whether the sink's topics ($4, a regular expression; NULL: all)
+/// match each. [`read_window_in`] cuts them at the byte cap, counts them and makes the matching
+/// ones the handler's outbox.event[].
+const WINDOW_SQL: rows::WindowSql = {
+    use rows::{from_both_parts, from_horizon, from_range, window_sql};
+    macro_rules! topic_matches {
+        () => {
+            "($4::text IS NULL OR r.topic ~ $4)"
+        };
+    }
+    rows::WindowSql {
+        horizon: window_sql!(topic_matches!(), from_horizon!()),
+        range: window_sql!(topic_matches!(), from_range!()),
+        both_parts: window_sql!(topic_matches!(), from_both_parts!()),
+    }
+};
 
 fn read_window(
     client: &SpiClient<'_>,
@@ -488,33 +487,15 @@ fn read_window_in(
     max: u32,
     regex: &Option<String>,
 ) -> Result<Window, pgrx::spi::Error> {
-    let mut args = vec![
-        DatumWithOid::from(after.pos.txid.to_string()),
-        DatumWithOid::from(after.pos.seq),
-        DatumWithOid::from(max as i32),
-        DatumWithOid::from(regex.clone()),
-    ];
-    let sql = match &after.batch {
-        None => ROWS_SQL,
-        Some(batch) => {
-            args.push(DatumWithOid::from(batch.since.as_str()));
-            args.push(DatumWithOid::from(batch.upto.as_str()));
-            BATCH_ROWS_SQL
-        }
-    };
-    plans::select(client, sql, None, &args)?;
+    rows::select_window(
+        client,
+        &WINDOW_SQL,
+        after,
+        max as usize,
+        DatumWithOid::from(regex.as_deref()),
+    )?;
     let (rows, table) = rows::deformed_rows();
-    // Cut before the payloads and headers pass the byte cap, never before the first event (the
-    // rule `outbox._read_window` states in SQL, which `window_shape` reads by).
-    let max_bytes = settings::MAX_BATCH_BYTES.get() as i64;
-    let (mut count, mut bytes) = (0, 0i64);
-    for row in &rows {
-        bytes += row.size(Column::Payload) + row.size(Column::Headers);
-        if count > 0 && bytes > max_bytes {
-            break;
-        }
-        count += 1;
-    }
+    let count = rows::within_bytes(&rows);
     let rows = &rows[..count];
     let last = rows.last().map(|row| At {
         pos: row.position(),

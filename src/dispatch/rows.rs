@@ -4,8 +4,117 @@
 //! the work a SQL statement would do to number, measure and aggregate the rows (a window
 //! function, two sorted aggregates) costs more than the rows themselves.
 
+use crate::cursor::At;
+use crate::plans;
+use pg_outbox_core::snapshot::{batch_read, BatchRead, Snapshot};
 use pg_outbox_core::Position;
+use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+
+/// A window's SELECT: the log's columns as they are, the reader's own column ($4 is its
+/// argument), outbox.event's oid, then where the rows come from (`HORIZON`, `RANGE`, `BOTH_PARTS`).
+macro_rules! window_sql {
+    ($extra:expr, $source:expr) => {
+        concat!(
+            "SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, \
+                    r.raised_at, ",
+            $extra,
+            ", 'outbox.event'::pg_catalog.regtype::pg_catalog.oid ",
+            $source
+        )
+    };
+}
+pub(super) use window_sql;
+
+/// The read rule's next events after the cursor ($1, $2), at most $3.
+macro_rules! from_horizon {
+    () => {
+        "FROM outbox._read_log($1::pg_catalog.xid8, $2, $3) r ORDER BY r.txid, r.seq"
+    };
+}
+pub(super) use from_horizon;
+
+/// The rest of a batch read as one range of the log (`BatchRead::Range`): after ($1, $2), below
+/// the transaction $5, leaving out the running transactions of snapshot $6 (NULL: none is in the
+/// range), at most $3. One index scan per partition, as the read rule's.
+macro_rules! from_range {
+    () => {
+        "FROM outbox.events r \
+          WHERE ROW(r.txid, r.seq) OPERATOR(pg_catalog.>) ROW($1::pg_catalog.xid8, $2) \
+            AND r.txid OPERATOR(pg_catalog.<) $5::pg_catalog.text::pg_catalog.xid8 \
+            AND ($6::pg_catalog.text IS NULL \
+                 OR pg_catalog.pg_visible_in_snapshot(r.txid, (SELECT $6::pg_catalog.text::pg_catalog.pg_snapshot))) \
+          ORDER BY r.txid, r.seq LIMIT $3"
+    };
+}
+pub(super) use from_range;
+
+/// The rest of a batch, both its parts (`BatchRead::BothParts`): from snapshot $5 to snapshot $6
+/// after ($1, $2), at most $3 (`outbox._snapshot_log`).
+macro_rules! from_both_parts {
+    () => {
+        "FROM outbox._snapshot_log($5::pg_catalog.text::pg_catalog.pg_snapshot, \
+                                   $6::pg_catalog.text::pg_catalog.pg_snapshot, \
+                                   $1::pg_catalog.xid8, $2, $3) r \
+          ORDER BY r.txid, r.seq"
+    };
+}
+pub(super) use from_both_parts;
+
+/// A reader's three window statements (`window_sql!` with each source).
+pub(super) struct WindowSql {
+    pub(super) horizon: &'static str,
+    pub(super) range: &'static str,
+    pub(super) both_parts: &'static str,
+}
+
+/// Runs the window after `after` of at most `max` events, `extra` the argument of the reader's
+/// own column; its rows are then SPI's last result (`deformed_rows`).
+pub(super) fn select_window(
+    client: &SpiClient<'_>,
+    sql: &WindowSql,
+    after: &At,
+    max: usize,
+    extra: DatumWithOid<'_>,
+) -> Result<(), pgrx::spi::Error> {
+    let arguments = |after: Position, extra| {
+        vec![
+            DatumWithOid::from(after.txid.to_string()),
+            DatumWithOid::from(after.seq),
+            DatumWithOid::from(max.min(i32::MAX as usize) as i32),
+            extra,
+        ]
+    };
+    let Some(batch) = &after.batch else {
+        plans::select(client, sql.horizon, None, &arguments(after.pos, extra))?;
+        return Ok(());
+    };
+    let snapshot = |text: &str| {
+        Snapshot::parse(text).unwrap_or_else(|e| panic!("a batch's snapshot: {}", e.message))
+    };
+    match batch_read(&snapshot(&batch.since), &snapshot(&batch.upto), after.pos) {
+        BatchRead::Range {
+            after: from,
+            below,
+            exclude_running,
+        } => {
+            let mut args = arguments(from, extra);
+            args.push(DatumWithOid::from(below.to_string()));
+            args.push(DatumWithOid::from(
+                exclude_running.then_some(batch.upto.as_str()),
+            ));
+            plans::select(client, sql.range, None, &args)?;
+        }
+        BatchRead::BothParts => {
+            let mut args = arguments(after.pos, extra);
+            args.push(DatumWithOid::from(batch.since.as_str()));
+            args.push(DatumWithOid::from(batch.upto.as_str()));
+            plans::select(client, sql.both_parts, None, &args)?;
+        }
+    }
+    Ok(())
+}
 
 /// The columns of a window's rows, as `Row` holds them: the log's, then one the reader
 /// chooses, then outbox.event's oid.
@@ -111,6 +220,20 @@ pub(super) fn deformed_rows() -> (Vec<Row>, *mut pg_sys::SPITupleTable) {
         }
         (rows, table)
     }
+}
+
+/// How many of `rows`, from the first, a window holds: cut before their payloads and headers pass
+/// `pg_outbox.max_batch_bytes`, never before the first (the rule `outbox._read_window` states in
+/// SQL, which the readers of whole windows read by).
+pub(super) fn within_bytes(rows: &[Row]) -> usize {
+    let max_bytes = crate::settings::MAX_BATCH_BYTES.get() as i64;
+    let mut bytes = 0i64;
+    rows.iter()
+        .position(|row| {
+            bytes += row.size(Column::Payload) + row.size(Column::Headers);
+            bytes > max_bytes
+        })
+        .map_or(rows.len(), |over| over.max(1))
 }
 
 /// Runs `f` with `cx` as the current memory context (back to the one before afterwards; an

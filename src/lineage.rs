@@ -60,7 +60,7 @@ fn events_relid() -> u32 {
 }
 
 /// This cluster and database.
-fn here() -> (i64, u32) {
+pub(crate) fn here() -> (i64, u32) {
     // SAFETY: reads the control file's identifier and a backend global.
     unsafe {
         (
@@ -309,7 +309,7 @@ pub unsafe extern "C-unwind" fn pg_outbox_log_horizon(
 /// each transaction id as a position carries it (this database's epoch in the top bits), so that
 /// `pg_visible_in_snapshot(e.txid, s)` says whether event `e`'s transaction had ended when it was
 /// taken. What `pg_current_snapshot()` gives, shifted like the log (a tick, `outbox._tick()`).
-fn snapshot_text() -> String {
+pub(crate) fn snapshot_text() -> String {
     let epoch = epoch_for_read() << EPOCH_SHIFT;
     // SAFETY: called inside a statement, which has an active snapshot; xip holds xcnt ids.
     unsafe {

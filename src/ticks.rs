@@ -17,6 +17,9 @@
 
 use crate::owner::as_owner;
 use crate::plans;
+use pg_outbox_core::snapshot::{batch_read, BatchRead, Snapshot};
+use pg_outbox_core::Position;
+use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 
 /// Takes a tick, in the worker's own transaction (commit it at once: the tick lock is held until
@@ -29,15 +32,185 @@ pub fn take() -> i64 {
     }
     crate::isolation::commit_without_waiting_for_flush();
     crate::isolation::lock_timeout_local(LOCK_WAIT_MS);
-    as_owner(|| {
-        Spi::connect_mut(|client| {
-            plans::update(client, "SELECT outbox._tick()", Some(1), &[])?
-                .first()
-                .get_one::<i64>()
-        })
+    as_owner(tick)
+}
+
+/// `outbox._tick()`: takes a tick unless its batch would be empty; returns the newest tick (0
+/// before the first). One taker at a time: a lock of their own (`outbox._lock_ticks`) orders
+/// them, and the snapshot is taken once it is held, so after the previous taker committed: it
+/// sees every transaction the previous tick saw, and the tick numbers follow the snapshots. In
+/// READ COMMITTED only (each statement its own snapshot). Commit soon: the lock is held until
+/// then.
+///
+/// Only in a log that is this database's (outbox.lineage, src/lineage.rs), and whose first tick
+/// of this epoch comes after something was raised in it: not in a database where nothing was
+/// raised yet, which may be the target of a restore still loading (a tick taken there would be
+/// in terms the restored log does not share, and could take the number of a restored one). A
+/// transaction that raises first marks the log raised when it commits: the first tick waits for
+/// it (once in the life of a log: later ticks go on from the one before).
+///
+/// Every statement after the lock runs with a snapshot of its own, taken after it, and names
+/// only schema-qualified objects and operators.
+#[pg_extern(name = "_tick", volatile, parallel_unsafe)]
+fn tick() -> i64 {
+    // SAFETY: reads a backend global.
+    if unsafe { pg_sys::XactIsoLevel } != pg_sys::XACT_READ_COMMITTED as i32 {
+        pgrx::pg_sys::panic::ErrorReport::new(
+            PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
+            "a tick is taken in a READ COMMITTED transaction",
+            "pg_outbox",
+        )
+        .set_detail("its snapshot must be taken after the previous tick committed")
+        .report(PgLogLevel::ERROR);
+    }
+    crate::lease::ticks_exclusive();
+    Spi::connect_mut(|client| -> Result<i64, pgrx::spi::Error> {
+        let last = {
+            let table = plans::update(
+                client,
+                "SELECT t.tick, t.snapshot::pg_catalog.text, t.cluster, t.database \
+                   FROM outbox.ticks t ORDER BY t.tick DESC LIMIT 1",
+                Some(1),
+                &[],
+            )?;
+            match table.is_empty() {
+                true => None,
+                false => {
+                    let row = table.first();
+                    Some(Last {
+                        tick: row.get::<i64>(1)?.expect("tick is NOT NULL"),
+                        snapshot: row.get::<String>(2)?.expect("snapshot is NOT NULL"),
+                        cluster: row.get::<i64>(3)?.expect("cluster is NOT NULL"),
+                        database: row.get::<pg_sys::Oid>(4)?.expect("NOT NULL").to_u32(),
+                    })
+                }
+            }
+        };
+        let newest = last.as_ref().map_or(0, |l| l.tick);
+        let Some(epoch) = tickable(client, last.as_ref())? else {
+            return Ok(newest);
+        };
+        let taken = fresh_snapshot_text();
+        if let Some(last) = &last {
+            if !batch_holds_an_event(client, &last.snapshot, &taken)? {
+                return Ok(newest);
+            }
+        }
+        let (cluster, database) = crate::lineage::here();
+        let number = (newest + 1).max(((epoch as i64) << 40) + 1);
+        plans::update(
+            client,
+            "INSERT INTO outbox.ticks (tick, snapshot, cluster, database) \
+             VALUES ($1, $2::pg_catalog.text::pg_catalog.pg_snapshot, $3, $4)",
+            None,
+            &[
+                DatumWithOid::from(number),
+                DatumWithOid::from(taken.as_str()),
+                DatumWithOid::from(cluster),
+                DatumWithOid::from(pg_sys::Oid::from(database)),
+            ],
+        )?;
+        Ok(number)
     })
     .unwrap_or_else(|e| panic!("taking a tick: {e}"))
-    .unwrap_or(0)
+}
+
+/// The newest tick, as `tick` reads it.
+struct Last {
+    tick: i64,
+    snapshot: String,
+    cluster: i64,
+    database: u32,
+}
+
+/// The epoch a tick is taken in, if one may be (see `tick`): the log's lineage is one row, this
+/// database's, and it was raised in, or the newest tick is of this epoch and was taken here.
+fn tickable(
+    client: &mut pgrx::spi::SpiClient<'_>,
+    last: Option<&Last>,
+) -> Result<Option<u64>, pgrx::spi::Error> {
+    let table = plans::update(
+        client,
+        "SELECT l.system_identifier, l.database, l.epoch, l.raised FROM outbox.lineage l \
+          WHERE (SELECT pg_catalog.count(*) FROM outbox.lineage) OPERATOR(pg_catalog.=) 1",
+        None,
+        &[],
+    )?;
+    if table.is_empty() {
+        return Ok(None);
+    }
+    let row = table.first();
+    let here = crate::lineage::here();
+    let lineage = (
+        row.get::<i64>(1)?.unwrap_or_default(),
+        row.get::<pg_sys::Oid>(2)?.map_or(0, |o| o.to_u32()),
+    );
+    if lineage != here {
+        return Ok(None);
+    }
+    let epoch = row.get::<i32>(3)?.unwrap_or_default().max(0) as u64;
+    let raised = row.get::<bool>(4)?.unwrap_or_default();
+    let ticked_here =
+        last.is_some_and(|l| l.tick > ((epoch as i64) << 40) && (l.cluster, l.database) == here);
+    Ok((raised || ticked_here).then_some(epoch))
+}
+
+/// A snapshot taken now, in the log's terms (`outbox._log_snapshot()`).
+fn fresh_snapshot_text() -> String {
+    // SAFETY: in READ COMMITTED each call takes a new snapshot; it is made the active one for as
+    // long as it is read, then popped.
+    unsafe {
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+        let text = crate::lineage::snapshot_text();
+        pg_sys::PopActiveSnapshot();
+        text
+    }
+}
+
+/// Whether the batch from snapshot `since` to `upto` holds an event: a tick whose batch would be
+/// empty is not taken (the workers ask at every commit and poll, and each tick's own transaction
+/// moves the snapshot on); the next one's batch holds what it would have. Read with a snapshot
+/// newer than `upto`, filtered by it. No transaction ended between them: nothing to read.
+fn batch_holds_an_event(
+    client: &mut pgrx::spi::SpiClient<'_>,
+    since: &str,
+    upto: &str,
+) -> Result<bool, pgrx::spi::Error> {
+    let snapshot = |text: &str| {
+        Snapshot::parse(text).unwrap_or_else(|e| panic!("a tick's snapshot: {}", e.message))
+    };
+    let table = match batch_read(&snapshot(since), &snapshot(upto), Position::ORIGIN) {
+        BatchRead::Range { after, below, .. } if below <= after.txid => return Ok(false),
+        BatchRead::Range {
+            after,
+            below,
+            exclude_running,
+        } => plans::update(
+            client,
+            "SELECT EXISTS (SELECT FROM outbox.events r \
+                             WHERE ROW(r.txid, r.seq) OPERATOR(pg_catalog.>) ROW($1::pg_catalog.xid8, $2) \
+                               AND r.txid OPERATOR(pg_catalog.<) $3::pg_catalog.text::pg_catalog.xid8 \
+                               AND ($4::pg_catalog.text IS NULL \
+                                    OR pg_catalog.pg_visible_in_snapshot(r.txid, \
+                                           (SELECT $4::pg_catalog.text::pg_catalog.pg_snapshot))))",
+            Some(1),
+            &[
+                DatumWithOid::from(after.txid.to_string()),
+                DatumWithOid::from(after.seq),
+                DatumWithOid::from(below.to_string()),
+                DatumWithOid::from(exclude_running.then_some(upto)),
+            ],
+        )?,
+        BatchRead::BothParts => plans::update(
+            client,
+            "SELECT EXISTS (SELECT FROM outbox._snapshot_log($1::pg_catalog.text::pg_catalog.pg_snapshot, \
+                                                             $2::pg_catalog.text::pg_catalog.pg_snapshot, \
+                                                             '0', 0, 1))",
+            Some(1),
+            &[DatumWithOid::from(since), DatumWithOid::from(upto)],
+        )?,
+    };
+    Ok(table.first().get::<bool>(1)?.unwrap_or(false))
 }
 
 /// Whether a reader reads by ticks (or is set to): the workers take ticks only then. Asked in the

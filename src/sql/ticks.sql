@@ -25,57 +25,7 @@ CREATE TABLE outbox.ticks (
     database oid                    NOT NULL
 );
 
--- Takes a tick unless its batch would be empty; returns the newest tick (0 before the first). One
--- taker at a time: a lock of their own (outbox._lock_ticks, src/ticks.rs) orders them, and the
--- snapshot is taken by a statement that starts once it is held, so after the previous taker committed:
--- it sees every transaction the previous tick saw, and the tick numbers follow the snapshots. In
--- READ COMMITTED only (each statement its own snapshot). Commit soon: the lock is held until then.
---
--- Only in a log that is this database's (outbox.lineage, src/lineage.rs), and whose first tick of
--- this epoch comes after something was raised in it: not in a database where nothing was raised
--- yet, which may be the target of a restore still loading (a tick taken there would be in terms
--- the restored log does not share, and could take the number of a restored one). A transaction
--- that raises first marks the log raised when it commits: the first tick waits for it (once in
--- the life of a log: later ticks go on from the one before).
-CREATE FUNCTION outbox._tick() RETURNS bigint
-LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    last outbox.ticks;
-    taken pg_snapshot;
-    here outbox.lineage;
-BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'a tick is taken in a READ COMMITTED transaction'
-            USING ERRCODE = 'invalid_transaction_state',
-                  DETAIL = 'its snapshot must be taken after the previous tick committed';
-    END IF;
-    PERFORM outbox._lock_ticks();
-    SELECT * INTO last FROM outbox.ticks t ORDER BY t.tick DESC LIMIT 1;
-    SELECT l.* INTO here
-      FROM outbox.lineage l, pg_control_system() s, pg_database d
-     WHERE l.system_identifier = s.system_identifier
-       AND d.datname = current_database() AND l.database = d.oid
-       AND (SELECT count(*) FROM outbox.lineage) = 1;
-    IF NOT FOUND OR NOT here.raised
-       AND NOT coalesce(last.tick > here.epoch::bigint << 40 AND last.cluster = here.system_identifier
-                        AND last.database = here.database, false) THEN
-        RETURN coalesce(last.tick, 0);
-    END IF;
-    taken := outbox._log_snapshot()::pg_snapshot;
-    -- A tick whose batch would be empty is not taken (the workers ask at every commit and poll,
-    -- and each tick's own transaction moves the snapshot on): the next one's batch holds what it
-    -- would have. Read with a snapshot newer than `taken`, filtered by `taken`.
-    IF last.tick IS NOT NULL
-       AND NOT EXISTS (SELECT FROM outbox._snapshot_log(last.snapshot, taken, '0', 0, 1)) THEN
-        RETURN last.tick;
-    END IF;
-    INSERT INTO outbox.ticks (tick, snapshot, cluster, database)
-    VALUES (greatest(coalesce(last.tick, 0) + 1, (here.epoch::bigint << 40) + 1), taken,
-            here.system_identifier, here.database)
-    RETURNING tick INTO last.tick;
-    RETURN last.tick;
-END
-$$;
+-- outbox._tick(), which takes a tick, is in src/ticks.rs.
 
 -- The tick before `tick`: the one whose snapshot its batch starts from (for the first tick of a
 -- new epoch, the last one restored). 0 (no transaction seen) when there is none: the first tick

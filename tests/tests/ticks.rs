@@ -431,6 +431,65 @@ fn ticks_refuse_what_would_break_them() {
     }
 }
 
+/// A tick is taken exactly when its batch would hold an event, whichever way that is asked: a
+/// transaction the last tick saw running ended (having raised or not), transactions began and
+/// ended since, or only transactions still running raised.
+#[test]
+fn a_tick_is_taken_exactly_when_its_batch_holds_an_event() {
+    let db = test_db("ticks_when_taken");
+    let mut c = db.connect();
+    let mut other = db.connect();
+    let raise = |c: &mut Client, n: i32| {
+        c.batch_execute(&format!(
+            "SELECT outbox.raise('t', '{{\"w\": 1, \"n\": {n}, \"j\": 0}}')"
+        ))
+        .unwrap();
+    };
+    let tick =
+        |c: &mut Client| -> i64 { c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0) };
+    let ns = |c: &mut Client, t: i64| -> Vec<i32> { batch(c, t).iter().map(|r| r.4).collect() };
+    raise(&mut c, 1);
+    let t1 = tick(&mut c);
+    assert_eq!(ns(&mut c, t1), vec![1]);
+    // Nothing began or ended since: no tick.
+    assert_eq!(tick(&mut c), t1);
+    // A transaction still running raised; one that began after it committed an event.
+    other.batch_execute("BEGIN").unwrap();
+    raise(&mut other, 2);
+    raise(&mut c, 3);
+    let t2 = tick(&mut c);
+    assert_eq!((t2, ns(&mut c, t2)), (t1 + 1, vec![3]));
+    // Only the running one has events past the last tick: no tick.
+    assert_eq!(
+        tick(&mut c),
+        t2,
+        "the events of a running transaction are no batch"
+    );
+    // It ends: its events are the next batch.
+    other.batch_execute("COMMIT").unwrap();
+    let t3 = tick(&mut c);
+    assert_eq!((t3, ns(&mut c, t3)), (t2 + 1, vec![2]));
+    // One that began after the last tick raised and still runs: no tick, until it commits.
+    other.batch_execute("BEGIN").unwrap();
+    raise(&mut other, 5);
+    assert_eq!(tick(&mut c), t3, "a transaction begun since still runs");
+    other.batch_execute("COMMIT").unwrap();
+    let t5 = tick(&mut c);
+    assert_eq!((t5, ns(&mut c, t5)), (t3 + 1, vec![5]));
+    // A transaction the last tick saw running ends without having raised: no tick.
+    other
+        .batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .unwrap();
+    raise(&mut c, 4);
+    let t4 = tick(&mut c);
+    assert_eq!(ns(&mut c, t4), vec![4]);
+    other.batch_execute("COMMIT").unwrap();
+    assert_eq!(tick(&mut c), t4, "a transaction that raised nothing ended");
+    // Transactions that raised nothing began and ended since: no tick.
+    c.batch_execute("SELECT pg_current_xact_id()").unwrap();
+    assert_eq!(tick(&mut c), t4);
+}
+
 #[test]
 fn ticks_are_in_the_log_epoch() {
     // As after a restore elsewhere: this database's positions carry epoch 3 in their top bits.

@@ -13,7 +13,8 @@ use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
 /// A window's SELECT: the log's columns as they are, the reader's own column ($4 is its
-/// argument), outbox.event's oid, then where the rows come from (`HORIZON`, `RANGE`, `BOTH_PARTS`).
+/// argument), outbox.event's oid, then where the rows come from (`from_horizon!`, `from_range!`,
+/// `from_both_parts!`).
 macro_rules! window_sql {
     ($extra:expr, $source:expr) => {
         concat!(

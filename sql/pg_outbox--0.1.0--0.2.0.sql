@@ -1362,6 +1362,67 @@ LANGUAGE sql STABLE AS $$
      ORDER BY w.txid, w.seq
 $$;
 
+-- The rest of a batch read as one range of the log, once a reader is past every transaction its
+-- `since` snapshot saw running that its `upto` sees ended (pg_outbox_core::snapshot, whose
+-- outbox._batch_range says when, and from where): the events after (after_txid, after_seq) of the
+-- transactions below `below` (upto's xmax), leaving out those `running` (upto) saw running (NULL:
+-- none is in the range), at most max_events. One index scan per partition, as the read rule's,
+-- where _snapshot_log needs two behind a CTE. Inlined into its callers: no SET, every name and
+-- operator qualified.
+CREATE FUNCTION outbox._range_log(after_txid pg_catalog.xid8, after_seq bigint, below pg_catalog.xid8,
+                                  running pg_catalog.pg_snapshot, max_events integer)
+RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject text, tenant text,
+               payload jsonb, headers jsonb, raised_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at
+      FROM outbox.events r
+     WHERE ROW(r.txid, r.seq) OPERATOR(pg_catalog.>) ROW(after_txid, after_seq)
+       AND r.txid OPERATOR(pg_catalog.<) below
+       -- NULL when `running` is: none to leave out (the snapshot is made once, not for every row).
+       AND COALESCE(pg_catalog.pg_visible_in_snapshot(r.txid, (SELECT running)), true)
+     ORDER BY r.txid, r.seq
+     LIMIT COALESCE(max_events, 0)
+$$;
+
+-- _range_log's rows as a pull consumer receives them (outbox.read).
+CREATE FUNCTION outbox._range_after(after_txid pg_catalog.xid8, after_seq bigint, below pg_catalog.xid8,
+                                    running pg_catalog.pg_snapshot, max_events integer)
+RETURNS SETOF outbox.event
+LANGUAGE sql STABLE AS $$
+    SELECT r.id,
+           (r.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) r.seq::pg_catalog.text,
+           r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at
+      FROM outbox._range_log(after_txid, after_seq, below, running, max_events) r
+     ORDER BY r.txid, r.seq
+$$;
+
+-- _batch_window over _range_log: the window of a reader by ticks past the transactions its batch
+-- started with running (outbox._batch_range).
+CREATE FUNCTION outbox._range_window(after_txid pg_catalog.xid8, after_seq bigint, below pg_catalog.xid8,
+                                     running pg_catalog.pg_snapshot, max_events integer, max_bytes bigint)
+RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
+               headers jsonb, raised_at timestamptz, n bigint)
+LANGUAGE sql STABLE AS $$
+    SELECT w.id,
+           (w.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) w.seq::pg_catalog.text,
+           w.topic, w.subject, w.tenant, w.payload, w.headers, w.raised_at, w.n
+      FROM (SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at,
+                   pg_catalog.row_number() OVER upto AS n,
+                   pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
+                                                         2147483647)::pg_catalog.int4) OVER upto AS upto
+              FROM outbox._range_log(after_txid, after_seq, below, running, max_events) r
+            WINDOW upto AS (ORDER BY r.txid, r.seq ROWS UNBOUNDED PRECEDING)) w
+     WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
+       AND max_bytes IS NOT NULL
+     ORDER BY w.txid, w.seq
+$$;
+
+-- Whether the rest of a batch after a position is one range of the log, and its bounds
+-- (src/ticks.rs; outbox.read asks).
+CREATE FUNCTION outbox."_batch_range"("since" TEXT, "upto" TEXT, "after_txid" TEXT, "after_seq" bigint)
+RETURNS TABLE ("after_txid" TEXT, "after_seq" bigint, "below" TEXT, "running" TEXT)
+IMMUTABLE STRICT PARALLEL SAFE LANGUAGE c AS 'MODULE_PATHNAME', 'batch_range_wrapper';
+
 -- Readers by ticks: the cursor's batch (see schema.sql). read_by added as sinks.failures is.
 ALTER TABLE outbox.consumers
     ADD COLUMN read_by text,
@@ -1404,6 +1465,7 @@ LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp A
 DECLARE
     c outbox.consumers;
     t record;
+    r record;
     got bigint;
     left_over bigint;
     flushed boolean := false;
@@ -1434,19 +1496,32 @@ BEGIN
         RETURN QUERY SELECT * FROM outbox._read_after(c.txid, c.seq, max_events);
         RETURN;
     END IF;
-    RETURN QUERY SELECT * FROM outbox._batch_after(c.since, c.upto, c.txid, c.seq, max_events);
-    GET DIAGNOSTICS got = ROW_COUNT;
-    left_over := max_events - got;
-    FOR t IN SELECT k.tick, k.snapshot FROM outbox.ticks k WHERE k.tick > c.tick ORDER BY k.tick LOOP
+    -- The rest of the consumer's batch, then the batches of the ticks after it (c.since, c.upto
+    -- and the position after which to read move on to each). Each is read as one range of the
+    -- log when it can be (outbox._batch_range), both its parts otherwise.
+    left_over := max_events;
+    LOOP
+        SELECT * INTO r FROM outbox._batch_range(c.since::text, c.upto::text, c.txid::text, c.seq);
+        IF FOUND THEN
+            RETURN QUERY SELECT * FROM outbox._range_after(r.after_txid::xid8, r.after_seq, r.below::xid8,
+                                                           r.running::pg_snapshot, left_over::integer);
+        ELSE
+            RETURN QUERY SELECT * FROM outbox._batch_after(c.since, c.upto, c.txid, c.seq, left_over::integer);
+        END IF;
+        GET DIAGNOSTICS got = ROW_COUNT;
+        left_over := left_over - got;
         EXIT WHEN left_over <= 0;
+        SELECT k.tick, k.snapshot INTO t FROM outbox.ticks k WHERE k.tick > c.tick ORDER BY k.tick LIMIT 1;
+        EXIT WHEN NOT FOUND;
         IF NOT flushed THEN
             PERFORM outbox._flush_log();
             flushed := true;
         END IF;
-        RETURN QUERY SELECT * FROM outbox._batch_after(c.upto, t.snapshot, '0', 0, left_over::integer);
-        GET DIAGNOSTICS got = ROW_COUNT;
-        left_over := left_over - got;
+        c.since := c.upto;
         c.upto := t.snapshot;
+        c.tick := t.tick;
+        c.txid := '0';
+        c.seq := 0;
     END LOOP;
 END
 $$;
@@ -1844,7 +1919,8 @@ BEGIN
                     '_schedule_denied', '_ran_each', '_place_one_offs', '_check_expire_after', '_alter_queue',
                     'alter_queue', '_announce_jobs', '_schedule_status', '_announce', 'create_kafka_sink', 'alter_sink',
                     '_log_snapshot', '_lock_ticks', '_tick', '_tick_before', '_tick_snapshot', '_snapshot_log', '_tick_log', '_batch_window',
-                    '_batch_after', '_flush_log', 'alter_consumer', 'alter_subscription']) LOOP
+                    '_batch_after', '_range_log', '_range_after', '_range_window', '_batch_range', '_flush_log', 'alter_consumer',
+                    'alter_subscription']) LOOP
         EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END

@@ -192,8 +192,25 @@ mod tests {
                   WHERE n.nspname = 'outbox' AND l.lanname IN ('sql', 'plpgsql') \
                     AND NOT coalesce('search_path=pg_catalog, pg_temp' = ANY (p.proconfig), false)"
             ),
-            "_batch_after,_batch_window,_claim,_complete_many,_may,_my_xid,_read_after,_read_log,_read_window,_snapshot_log,_tick_log"
+            "_batch_after,_batch_window,_claim,_complete_many,_may,_my_xid,_range_after,_range_log,_range_window,_read_after,_read_log,_read_window,_snapshot_log,_tick_log"
         );
+    }
+
+    #[pg_test]
+    fn a_batch_is_read_as_one_range_once_past_the_transactions_it_started_with_running() {
+        // 15 ran when the batch started and has ended: a reader before it reads both parts.
+        let range = |after: &str| {
+            one::<String>(&format!(
+                "SELECT coalesce((SELECT row(r.*)::text FROM outbox._batch_range('10:20:12,15', '12:25:12,22', {after}) r), 'both')"
+            ))
+        };
+        assert_eq!(range("'14', 3"), "both");
+        assert_eq!(range("'15', 1"), "both");
+        // Past it: the range from the batch's first new transaction (20) below 25, leaving out 22
+        // (still running; 12 is below the range).
+        assert_eq!(range("'16', 0"), "(20,0,25,\"12:25:12,22\")");
+        assert_eq!(range("'23', 4"), "(23,4,25,)");
+        assert_eq!(range("'21', 2"), "(21,2,25,\"12:25:12,22\")");
     }
 
     #[pg_test]

@@ -22,6 +22,151 @@ use pg_outbox_core::Position;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 
+/// How the rest of the batch from snapshot `since` to `upto` after `after` is read, as the
+/// arguments of [`batch_rows!`] and [`batch_window!`]: the position to read after ($1, $2), and
+/// the two batch arguments, `a` and `b`. Read as one range of the log (`range`, `outbox._range_log`)
+/// once `after` is past every transaction `since` saw running that `upto` sees ended: `a` is the
+/// transaction the range ends below, `b` the snapshot whose running transactions it leaves out
+/// (None: none is in the range). Otherwise both parts of the batch (`outbox._snapshot_log`): `a`
+/// and `b` are `since` and `upto`.
+pub(crate) struct BatchArgs {
+    pub range: bool,
+    pub after: Position,
+    pub a: String,
+    pub b: Option<String>,
+}
+
+impl BatchArgs {
+    pub(crate) fn of(since: &str, upto: &str, after: Position) -> BatchArgs {
+        let snapshot = |text: &str| {
+            Snapshot::parse(text).unwrap_or_else(|e| panic!("a batch's snapshot: {}", e.message))
+        };
+        match batch_read(&snapshot(since), &snapshot(upto), after) {
+            BatchRead::Range {
+                after,
+                below,
+                exclude_running,
+            } => BatchArgs {
+                range: true,
+                after,
+                a: below.to_string(),
+                b: exclude_running.then(|| upto.to_owned()),
+            },
+            BatchRead::BothParts => BatchArgs {
+                range: false,
+                after,
+                a: since.to_owned(),
+                b: Some(upto.to_owned()),
+            },
+        }
+    }
+
+    /// Whether the range is empty without reading it (nothing below its end is after `after`).
+    pub(crate) fn empty(&self) -> bool {
+        self.range
+            && self
+                .a
+                .parse::<u64>()
+                .is_ok_and(|below| below <= self.after.txid)
+    }
+
+    /// The arguments $1 and $2.
+    pub(crate) fn position(&self) -> [DatumWithOid<'static>; 2] {
+        [
+            DatumWithOid::from(self.after.txid.to_string()),
+            DatumWithOid::from(self.after.seq),
+        ]
+    }
+
+    /// The two batch arguments, in the slots the statement gave them.
+    pub(crate) fn batch(&self) -> [DatumWithOid<'_>; 2] {
+        [
+            DatumWithOid::from(self.a.as_str()),
+            DatumWithOid::from(self.b.as_deref()),
+        ]
+    }
+}
+
+/// The rows of a batch after ($1, $2), at most $3, from `outbox._range_log` (`range`) or
+/// `outbox._snapshot_log` (`both`), the batch arguments of [`BatchArgs`] in slots `$a` and `$b`.
+macro_rules! batch_rows {
+    (range, $a:literal, $b:literal) => {
+        concat!(
+            "outbox._range_log($1::pg_catalog.xid8, $2, ",
+            $a,
+            "::pg_catalog.text::pg_catalog.xid8, ",
+            $b,
+            "::pg_catalog.text::pg_catalog.pg_snapshot, $3)"
+        )
+    };
+    (both, $a:literal, $b:literal) => {
+        concat!(
+            "outbox._snapshot_log(",
+            $a,
+            "::pg_catalog.text::pg_catalog.pg_snapshot, ",
+            $b,
+            "::pg_catalog.text::pg_catalog.pg_snapshot, $1::pg_catalog.xid8, $2, $3)"
+        )
+    };
+}
+pub(crate) use batch_rows;
+
+/// [`batch_rows!`] as a window (`outbox._range_window`, `outbox._batch_window`), cut at the bytes
+/// in slot `$bytes`.
+macro_rules! batch_window {
+    (range, $a:literal, $b:literal, $bytes:literal) => {
+        concat!(
+            "outbox._range_window($1::pg_catalog.xid8, $2, ",
+            $a,
+            "::pg_catalog.text::pg_catalog.xid8, ",
+            $b,
+            "::pg_catalog.text::pg_catalog.pg_snapshot, $3, ",
+            $bytes,
+            ")"
+        )
+    };
+    (both, $a:literal, $b:literal, $bytes:literal) => {
+        concat!(
+            "outbox._batch_window(",
+            $a,
+            "::pg_catalog.text::pg_catalog.pg_snapshot, ",
+            $b,
+            "::pg_catalog.text::pg_catalog.pg_snapshot, $1::pg_catalog.xid8, $2, $3, ",
+            $bytes,
+            ")"
+        )
+    };
+}
+pub(crate) use batch_window;
+
+/// `outbox._batch_range(since, upto, after_txid, after_seq)`: [`BatchArgs`] for `outbox.read`
+/// (PL/pgSQL): one row, the arguments of `outbox._range_after`, when the rest of the batch after
+/// the position is one range of the log; none when both its parts are read (`_batch_after`).
+#[pg_extern(name = "_batch_range", immutable, parallel_safe, strict)]
+fn batch_range(
+    since: &str,
+    upto: &str,
+    after_txid: &str,
+    after_seq: i64,
+) -> TableIterator<
+    'static,
+    (
+        name!(after_txid, String),
+        name!(after_seq, i64),
+        name!(below, String),
+        name!(running, Option<String>),
+    ),
+> {
+    let txid = after_txid
+        .parse::<u64>()
+        .unwrap_or_else(|_| panic!("invalid transaction id \"{after_txid}\""));
+    let args = BatchArgs::of(since, upto, Position::new(txid, after_seq));
+    let row = args
+        .range
+        .then(|| (args.after.txid.to_string(), args.after.seq, args.a, args.b));
+    TableIterator::new(row)
+}
+
 /// Takes a tick, in the worker's own transaction (commit it at once: the tick lock is held until
 /// then). Returns the newest tick (0 before the first). Waits for the tick lock at most
 /// [`LOCK_WAIT_MS`]: only another taker holds it, for a moment (or a role someone let execute
@@ -176,40 +321,30 @@ fn batch_holds_an_event(
     since: &str,
     upto: &str,
 ) -> Result<bool, pgrx::spi::Error> {
-    let snapshot = |text: &str| {
-        Snapshot::parse(text).unwrap_or_else(|e| panic!("a tick's snapshot: {}", e.message))
+    let args = BatchArgs::of(since, upto, Position::ORIGIN);
+    if args.empty() {
+        return Ok(false);
+    }
+    let sql = match args.range {
+        true => concat!(
+            "SELECT EXISTS (SELECT FROM ",
+            batch_rows!(range, "$4", "$5"),
+            ")"
+        ),
+        false => concat!(
+            "SELECT EXISTS (SELECT FROM ",
+            batch_rows!(both, "$4", "$5"),
+            ")"
+        ),
     };
-    let table = match batch_read(&snapshot(since), &snapshot(upto), Position::ORIGIN) {
-        BatchRead::Range { after, below, .. } if below <= after.txid => return Ok(false),
-        BatchRead::Range {
-            after,
-            below,
-            exclude_running,
-        } => plans::update(
-            client,
-            "SELECT EXISTS (SELECT FROM outbox.events r \
-                             WHERE ROW(r.txid, r.seq) OPERATOR(pg_catalog.>) ROW($1::pg_catalog.xid8, $2) \
-                               AND r.txid OPERATOR(pg_catalog.<) $3::pg_catalog.text::pg_catalog.xid8 \
-                               AND ($4::pg_catalog.text IS NULL \
-                                    OR pg_catalog.pg_visible_in_snapshot(r.txid, \
-                                           (SELECT $4::pg_catalog.text::pg_catalog.pg_snapshot))))",
-            Some(1),
-            &[
-                DatumWithOid::from(after.txid.to_string()),
-                DatumWithOid::from(after.seq),
-                DatumWithOid::from(below.to_string()),
-                DatumWithOid::from(exclude_running.then_some(upto)),
-            ],
-        )?,
-        BatchRead::BothParts => plans::update(
-            client,
-            "SELECT EXISTS (SELECT FROM outbox._snapshot_log($1::pg_catalog.text::pg_catalog.pg_snapshot, \
-                                                             $2::pg_catalog.text::pg_catalog.pg_snapshot, \
-                                                             '0', 0, 1))",
-            Some(1),
-            &[DatumWithOid::from(since), DatumWithOid::from(upto)],
-        )?,
-    };
+    let [t, q] = args.position();
+    let [a, b] = args.batch();
+    let table = plans::update(
+        client,
+        sql,
+        Some(1),
+        &[t, q, DatumWithOid::from(1i32), a, b],
+    )?;
     Ok(table.first().get::<bool>(1)?.unwrap_or(false))
 }
 

@@ -377,7 +377,7 @@ fn lease_and_read(id: &str, chain: Option<&Chain>, flying: usize) -> Prepared {
 /// An HTTP sink's window after `$1`/`$2` (read from `$source`): its count, last position and
 /// matching count, the CloudEvents batch of the events the sink's topics match, and their ids.
 macro_rules! http_window {
-    ($source:literal) => {
+    ($source:expr) => {
         concat!(
             "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4], \
                 count(*) FILTER (WHERE m.ok)::int8, \
@@ -396,11 +396,10 @@ macro_rules! http_window {
 /// The read rule's window (`outbox._read_window`).
 const HTTP_WINDOW: &str = http_window!("outbox._read_window($1::pg_catalog.xid8, $2, $3, $5)");
 
-/// A sink by ticks' window, within its batch from snapshot `$6` to snapshot `$7`.
-const HTTP_BATCH_WINDOW: &str = http_window!(
-    "outbox._batch_window($6::pg_catalog.text::pg_catalog.pg_snapshot, \
-                          $7::pg_catalog.text::pg_catalog.pg_snapshot, $1::pg_catalog.xid8, $2, $3, $5)"
-);
+/// A sink by ticks' window, within its batch ([`crate::ticks::BatchArgs`] in `$6`, `$7`): both
+/// its parts, or the range left of it.
+const HTTP_BATCH_WINDOW: &str = http_window!(crate::ticks::batch_window!(both, "$6", "$7", "$5"));
+const HTTP_RANGE_WINDOW: &str = http_window!(crate::ticks::batch_window!(range, "$6", "$7", "$5"));
 
 /// Where the next window of a sink by ticks starts: at its cursor while its batch has an event
 /// after it; past the end of its batch, at the beginning of the next batch that has one (at most
@@ -411,22 +410,31 @@ fn window_start(client: &pgrx::spi::SpiClient<'_>, cursor: &At) -> Result<At, pg
         let Some(batch) = &at.batch else {
             return Ok(at);
         };
-        let any = plans::select(
-            client,
-            "SELECT EXISTS (SELECT FROM outbox._snapshot_log($3::pg_catalog.text::pg_catalog.pg_snapshot, \
-                                                             $4::pg_catalog.text::pg_catalog.pg_snapshot, \
-                                                             $1::pg_catalog.xid8, $2, 1))",
-            Some(1),
-            &[
-                DatumWithOid::from(at.pos.txid.to_string()),
-                DatumWithOid::from(at.pos.seq),
-                DatumWithOid::from(batch.since.as_str()),
-                DatumWithOid::from(batch.upto.as_str()),
-            ],
-        )?
-        .first()
-        .get::<bool>(1)?
-        .unwrap_or(false);
+        let args = crate::ticks::BatchArgs::of(&batch.since, &batch.upto, at.pos);
+        let sql = match args.range {
+            true => concat!(
+                "SELECT EXISTS (SELECT FROM ",
+                crate::ticks::batch_rows!(range, "$4", "$5"),
+                ")"
+            ),
+            false => concat!(
+                "SELECT EXISTS (SELECT FROM ",
+                crate::ticks::batch_rows!(both, "$4", "$5"),
+                ")"
+            ),
+        };
+        let [t, q] = args.position();
+        let [a, b] = args.batch();
+        let any = !args.empty()
+            && plans::select(
+                client,
+                sql,
+                Some(1),
+                &[t, q, DatumWithOid::from(1i32), a, b],
+            )?
+            .first()
+            .get::<bool>(1)?
+            .unwrap_or(false);
         if any {
             return Ok(at);
         }
@@ -469,7 +477,7 @@ fn read_kafka_windows(
     let max_bytes = settings::MAX_BATCH_BYTES.get() as i64;
     /// The statement, reading from `$source`.
     macro_rules! kafka_windows {
-        ($source:literal) => {
+        ($source:expr) => {
             concat!(
                 "SELECT r.position, m.ok, r.id, r.topic, r.subject, r.tenant, \
                         CASE WHEN m.ok THEN r.headers::pg_catalog.text END, r.raised_at, \
@@ -490,16 +498,19 @@ fn read_kafka_windows(
         DatumWithOid::from(topic_regex.clone()),
         DatumWithOid::from(max_bytes),
     ];
-    let sql = match &after.batch {
+    let read = after
+        .batch
+        .as_ref()
+        .map(|b| crate::ticks::BatchArgs::of(&b.since, &b.upto, after.pos));
+    let sql = match &read {
         None => kafka_windows!("outbox._read_window($1::pg_catalog.xid8, $2, $3, $5)"),
-        Some(batch) => {
-            args.push(DatumWithOid::from(batch.since.as_str()));
-            args.push(DatumWithOid::from(batch.upto.as_str()));
-            kafka_windows!(
-                "outbox._batch_window($6::pg_catalog.text::pg_catalog.pg_snapshot, \
-                                      $7::pg_catalog.text::pg_catalog.pg_snapshot, \
-                                      $1::pg_catalog.xid8, $2, $3, $5)"
-            )
+        Some(read) => {
+            [args[0], args[1]] = read.position();
+            args.extend(read.batch());
+            match read.range {
+                true => kafka_windows!(crate::ticks::batch_window!(range, "$6", "$7", "$5")),
+                false => kafka_windows!(crate::ticks::batch_window!(both, "$6", "$7", "$5")),
+            }
         }
     };
     let table = plans::select(client, sql, None, &args)?;
@@ -705,12 +716,19 @@ fn read_window(
             DatumWithOid::from(topic_regex.clone()),
             DatumWithOid::from(settings::MAX_BATCH_BYTES.get() as i64),
         ];
-        let sql = match &after.batch {
+        let read = after
+            .batch
+            .as_ref()
+            .map(|b| crate::ticks::BatchArgs::of(&b.since, &b.upto, after.pos));
+        let sql = match &read {
             None => HTTP_WINDOW,
-            Some(batch) => {
-                args.push(DatumWithOid::from(batch.since.as_str()));
-                args.push(DatumWithOid::from(batch.upto.as_str()));
-                HTTP_BATCH_WINDOW
+            Some(read) => {
+                [args[0], args[1]] = read.position();
+                args.extend(read.batch());
+                match read.range {
+                    true => HTTP_RANGE_WINDOW,
+                    false => HTTP_BATCH_WINDOW,
+                }
             }
         };
         let t = plans::select(client, sql, Some(1), &args)?;

@@ -650,19 +650,34 @@ pub(crate) fn window_shape_at(
             let (count, last) = window_shape(client, at.pos, max)?;
             return Ok((count, last.map(At::horizon)));
         };
+        /// The count and last position of a window from `$source`.
+        macro_rules! shape {
+            ($source:expr) => {
+                concat!(
+                    "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4] FROM ",
+                    $source,
+                    " r"
+                )
+            };
+        }
+        let read = crate::ticks::BatchArgs::of(&batch.since, &batch.upto, at.pos);
+        let sql = match read.range {
+            true => shape!(crate::ticks::batch_window!(range, "$5", "$6", "$4")),
+            false => shape!(crate::ticks::batch_window!(both, "$5", "$6", "$4")),
+        };
+        let [t, q] = read.position();
+        let [a, b] = read.batch();
         let table = plans::select(
             client,
-            "SELECT count(*)::int8, (pg_catalog.array_agg(r.position ORDER BY r.n))[count(*)::int4] \
-               FROM outbox._batch_window($5::text::pg_catalog.pg_snapshot, $6::text::pg_catalog.pg_snapshot, \
-                                         $1::pg_catalog.xid8, $2, $3, $4) r",
+            sql,
             Some(1),
             &[
-                DatumWithOid::from(at.pos.txid.to_string()),
-                DatumWithOid::from(at.pos.seq),
+                t,
+                q,
                 DatumWithOid::from(max as i32),
                 DatumWithOid::from(settings::MAX_BATCH_BYTES.get() as i64),
-                DatumWithOid::from(batch.since.as_str()),
-                DatumWithOid::from(batch.upto.as_str()),
+                a,
+                b,
             ],
         )?;
         let row = table.first();
@@ -1309,24 +1324,30 @@ pub(crate) fn first_match_span(
             }
             return Ok(table.first().get::<i64>(1)?.map(|n| (at, n as u32)));
         };
-        let [t, q, m, re] = args;
-        let table = client.select(
-            "SELECT (SELECT r.n FROM (SELECT l.topic, pg_catalog.row_number() OVER (ORDER BY l.txid, l.seq) AS n \
-                                        FROM outbox._snapshot_log($5::text::pg_catalog.pg_snapshot, \
-                                               $6::text::pg_catalog.pg_snapshot, $1::pg_catalog.xid8, $2, $3) l) r \
-                      WHERE $4::text IS NULL OR r.topic ~ $4 ORDER BY r.n LIMIT 1), \
-                    (SELECT pg_catalog.count(*) FROM outbox._snapshot_log($5::text::pg_catalog.pg_snapshot, \
-                                               $6::text::pg_catalog.pg_snapshot, $1::pg_catalog.xid8, $2, $3))",
-            Some(1),
-            &[
-                t,
-                q,
-                m,
-                re,
-                DatumWithOid::from(batch.since.as_str()),
-                DatumWithOid::from(batch.upto.as_str()),
-            ],
-        )?;
+        /// The first event after `$1`/`$2` the sink's topics match, within `$3` events of
+        /// `$source`, and how many events those are.
+        macro_rules! span {
+            ($source:expr) => {
+                concat!(
+                    "SELECT (SELECT r.n FROM (SELECT l.topic, pg_catalog.row_number() OVER (ORDER BY l.txid, l.seq) AS n \
+                                                FROM ",
+                    $source,
+                    " l) r WHERE $4::text IS NULL OR r.topic ~ $4 ORDER BY r.n LIMIT 1), \
+                            (SELECT pg_catalog.count(*) FROM ",
+                    $source,
+                    " l)"
+                )
+            };
+        }
+        let read = crate::ticks::BatchArgs::of(&batch.since, &batch.upto, at.pos);
+        let sql = match read.range {
+            true => span!(crate::ticks::batch_rows!(range, "$5", "$6")),
+            false => span!(crate::ticks::batch_rows!(both, "$5", "$6")),
+        };
+        let [_, _, m, re] = args;
+        let [t, q] = read.position();
+        let [a, b] = read.batch();
+        let table = client.select(sql, Some(1), &[t, q, m, re, a, b])?;
         let row = table.first();
         if let Some(n) = row.get::<i64>(1)? {
             return Ok(Some((at, n as u32)));

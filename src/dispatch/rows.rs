@@ -6,7 +6,7 @@
 
 use crate::cursor::At;
 use crate::plans;
-use pg_outbox_core::snapshot::{batch_read, BatchRead, Snapshot};
+use crate::ticks::BatchArgs;
 use pg_outbox_core::Position;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
@@ -36,29 +36,29 @@ macro_rules! from_horizon {
 }
 pub(super) use from_horizon;
 
-/// The rest of a batch read as one range of the log (`BatchRead::Range`): after ($1, $2), below
+/// The rest of a batch read as one range of the log (`BatchArgs::range`): after ($1, $2), below
 /// the transaction $5, leaving out the running transactions of snapshot $6 (NULL: none is in the
 /// range), at most $3. One index scan per partition, as the read rule's.
 macro_rules! from_range {
     () => {
-        "FROM outbox.events r \
-          WHERE ROW(r.txid, r.seq) OPERATOR(pg_catalog.>) ROW($1::pg_catalog.xid8, $2) \
-            AND r.txid OPERATOR(pg_catalog.<) $5::pg_catalog.text::pg_catalog.xid8 \
-            AND ($6::pg_catalog.text IS NULL \
-                 OR pg_catalog.pg_visible_in_snapshot(r.txid, (SELECT $6::pg_catalog.text::pg_catalog.pg_snapshot))) \
-          ORDER BY r.txid, r.seq LIMIT $3"
+        concat!(
+            "FROM ",
+            crate::ticks::batch_rows!(range, "$5", "$6"),
+            " r ORDER BY r.txid, r.seq"
+        )
     };
 }
 pub(super) use from_range;
 
-/// The rest of a batch, both its parts (`BatchRead::BothParts`): from snapshot $5 to snapshot $6
-/// after ($1, $2), at most $3 (`outbox._snapshot_log`).
+/// The rest of a batch, both its parts: from snapshot $5 to snapshot $6 after ($1, $2), at most
+/// $3 (`outbox._snapshot_log`).
 macro_rules! from_both_parts {
     () => {
-        "FROM outbox._snapshot_log($5::pg_catalog.text::pg_catalog.pg_snapshot, \
-                                   $6::pg_catalog.text::pg_catalog.pg_snapshot, \
-                                   $1::pg_catalog.xid8, $2, $3) r \
-          ORDER BY r.txid, r.seq"
+        concat!(
+            "FROM ",
+            crate::ticks::batch_rows!(both, "$5", "$6"),
+            " r ORDER BY r.txid, r.seq"
+        )
     };
 }
 pub(super) use from_both_parts;
@@ -91,29 +91,14 @@ pub(super) fn select_window(
         plans::select(client, sql.horizon, None, &arguments(after.pos, extra))?;
         return Ok(());
     };
-    let snapshot = |text: &str| {
-        Snapshot::parse(text).unwrap_or_else(|e| panic!("a batch's snapshot: {}", e.message))
+    let batch = BatchArgs::of(&batch.since, &batch.upto, after.pos);
+    let mut args = arguments(batch.after, extra);
+    args.extend(batch.batch());
+    let sql = match batch.range {
+        true => sql.range,
+        false => sql.both_parts,
     };
-    match batch_read(&snapshot(&batch.since), &snapshot(&batch.upto), after.pos) {
-        BatchRead::Range {
-            after: from,
-            below,
-            exclude_running,
-        } => {
-            let mut args = arguments(from, extra);
-            args.push(DatumWithOid::from(below.to_string()));
-            args.push(DatumWithOid::from(
-                exclude_running.then_some(batch.upto.as_str()),
-            ));
-            plans::select(client, sql.range, None, &args)?;
-        }
-        BatchRead::BothParts => {
-            let mut args = arguments(after.pos, extra);
-            args.push(DatumWithOid::from(batch.since.as_str()));
-            args.push(DatumWithOid::from(batch.upto.as_str()));
-            plans::select(client, sql.both_parts, None, &args)?;
-        }
-    }
+    plans::select(client, sql, None, &args)?;
     Ok(())
 }
 

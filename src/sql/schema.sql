@@ -188,6 +188,7 @@ LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp A
 DECLARE
     c outbox.consumers;
     t record;
+    r record;
     got bigint;
     left_over bigint;
     flushed boolean := false;
@@ -218,19 +219,32 @@ BEGIN
         RETURN QUERY SELECT * FROM outbox._read_after(c.txid, c.seq, max_events);
         RETURN;
     END IF;
-    RETURN QUERY SELECT * FROM outbox._batch_after(c.since, c.upto, c.txid, c.seq, max_events);
-    GET DIAGNOSTICS got = ROW_COUNT;
-    left_over := max_events - got;
-    FOR t IN SELECT k.tick, k.snapshot FROM outbox.ticks k WHERE k.tick > c.tick ORDER BY k.tick LOOP
+    -- The rest of the consumer's batch, then the batches of the ticks after it (c.since, c.upto
+    -- and the position after which to read move on to each). Each is read as one range of the
+    -- log when it can be (outbox._batch_range), both its parts otherwise.
+    left_over := max_events;
+    LOOP
+        SELECT * INTO r FROM outbox._batch_range(c.since::text, c.upto::text, c.txid::text, c.seq);
+        IF FOUND THEN
+            RETURN QUERY SELECT * FROM outbox._range_after(r.after_txid::xid8, r.after_seq, r.below::xid8,
+                                                           r.running::pg_snapshot, left_over::integer);
+        ELSE
+            RETURN QUERY SELECT * FROM outbox._batch_after(c.since, c.upto, c.txid, c.seq, left_over::integer);
+        END IF;
+        GET DIAGNOSTICS got = ROW_COUNT;
+        left_over := left_over - got;
         EXIT WHEN left_over <= 0;
+        SELECT k.tick, k.snapshot INTO t FROM outbox.ticks k WHERE k.tick > c.tick ORDER BY k.tick LIMIT 1;
+        EXIT WHEN NOT FOUND;
         IF NOT flushed THEN
             PERFORM outbox._flush_log();
             flushed := true;
         END IF;
-        RETURN QUERY SELECT * FROM outbox._batch_after(c.upto, t.snapshot, '0', 0, left_over::integer);
-        GET DIAGNOSTICS got = ROW_COUNT;
-        left_over := left_over - got;
+        c.since := c.upto;
         c.upto := t.snapshot;
+        c.tick := t.tick;
+        c.txid := '0';
+        c.seq := 0;
     END LOOP;
 END
 $$;

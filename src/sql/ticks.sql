@@ -102,6 +102,28 @@ LANGUAGE sql STABLE AS $$
      LIMIT COALESCE(max_events, 0)
 $$;
 
+-- The rest of a batch read as one range of the log, once a reader is past every transaction its
+-- `since` snapshot saw running that its `upto` sees ended (pg_outbox_core::snapshot, whose
+-- outbox._batch_range says when, and from where): the events after (after_txid, after_seq) of the
+-- transactions below `below` (upto's xmax), leaving out those `running` (upto) saw running (NULL:
+-- none is in the range), at most max_events. One index scan per partition, as the read rule's,
+-- where _snapshot_log needs two behind a CTE. Inlined into its callers: no SET, every name and
+-- operator qualified.
+CREATE FUNCTION outbox._range_log(after_txid pg_catalog.xid8, after_seq bigint, below pg_catalog.xid8,
+                                  running pg_catalog.pg_snapshot, max_events integer)
+RETURNS TABLE (txid pg_catalog.xid8, seq bigint, id uuid, topic text, subject text, tenant text,
+               payload jsonb, headers jsonb, raised_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at
+      FROM outbox.events r
+     WHERE ROW(r.txid, r.seq) OPERATOR(pg_catalog.>) ROW(after_txid, after_seq)
+       AND r.txid OPERATOR(pg_catalog.<) below
+       -- NULL when `running` is: none to leave out (the snapshot is made once, not for every row).
+       AND COALESCE(pg_catalog.pg_visible_in_snapshot(r.txid, (SELECT running)), true)
+     ORDER BY r.txid, r.seq
+     LIMIT COALESCE(max_events, 0)
+$$;
+
 -- The batch of tick `to_tick` after tick `from_tick` (_snapshot_log between their snapshots).
 CREATE FUNCTION outbox._tick_log(from_tick bigint, to_tick bigint, after_txid pg_catalog.xid8,
                                  after_seq bigint, max_events integer)
@@ -128,6 +150,18 @@ LANGUAGE sql STABLE AS $$
      ORDER BY r.txid, r.seq
 $$;
 
+-- _range_log's rows as a pull consumer receives them (outbox.read).
+CREATE FUNCTION outbox._range_after(after_txid pg_catalog.xid8, after_seq bigint, below pg_catalog.xid8,
+                                    running pg_catalog.pg_snapshot, max_events integer)
+RETURNS SETOF outbox.event
+LANGUAGE sql STABLE AS $$
+    SELECT r.id,
+           (r.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) r.seq::pg_catalog.text,
+           r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at
+      FROM outbox._range_log(after_txid, after_seq, below, running, max_events) r
+     ORDER BY r.txid, r.seq
+$$;
+
 -- The batch window of a reader by ticks, as outbox._read_window is the read horizon's: the next
 -- events of the batch from snapshot `since` to snapshot `till` after (after_txid, after_seq), at most
 -- max_events, numbered n from 1, cut before their payloads and headers pass max_bytes (never
@@ -146,6 +180,27 @@ LANGUAGE sql STABLE AS $$
                    pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
                                                          2147483647)::pg_catalog.int4) OVER upto AS upto
               FROM outbox._snapshot_log(since, till, after_txid, after_seq, max_events) r
+            WINDOW upto AS (ORDER BY r.txid, r.seq ROWS UNBOUNDED PRECEDING)) w
+     WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
+       AND max_bytes IS NOT NULL
+     ORDER BY w.txid, w.seq
+$$;
+
+-- _batch_window over _range_log: the window of a reader by ticks past the transactions its batch
+-- started with running (outbox._batch_range).
+CREATE FUNCTION outbox._range_window(after_txid pg_catalog.xid8, after_seq bigint, below pg_catalog.xid8,
+                                     running pg_catalog.pg_snapshot, max_events integer, max_bytes bigint)
+RETURNS TABLE (id uuid, "position" text, topic text, subject text, tenant text, payload jsonb,
+               headers jsonb, raised_at timestamptz, n bigint)
+LANGUAGE sql STABLE AS $$
+    SELECT w.id,
+           (w.txid::pg_catalog.text OPERATOR(pg_catalog.||) ':') OPERATOR(pg_catalog.||) w.seq::pg_catalog.text,
+           w.topic, w.subject, w.tenant, w.payload, w.headers, w.raised_at, w.n
+      FROM (SELECT r.txid, r.seq, r.id, r.topic, r.subject, r.tenant, r.payload, r.headers, r.raised_at,
+                   pg_catalog.row_number() OVER upto AS n,
+                   pg_catalog.sum(pg_catalog.int8smaller(outbox._event_size(r.payload, r.headers),
+                                                         2147483647)::pg_catalog.int4) OVER upto AS upto
+              FROM outbox._range_log(after_txid, after_seq, below, running, max_events) r
             WINDOW upto AS (ORDER BY r.txid, r.seq ROWS UNBOUNDED PRECEDING)) w
      WHERE (w.n OPERATOR(pg_catalog.=) 1 OR w.upto OPERATOR(pg_catalog.<=) max_bytes)
        AND max_bytes IS NOT NULL

@@ -424,6 +424,10 @@ fn ticks_refuse_what_would_break_them() {
         "SELECT outbox._lock_ticks()",
         "SELECT * FROM outbox._snapshot_log('1:1:', '1:1:', '0', 0, 1)",
         "SELECT * FROM outbox._batch_window('1:1:', '1:1:', '0', 0, 1, 1000)",
+        "SELECT * FROM outbox._range_log('0', 0, '5', NULL, 10)",
+        "SELECT * FROM outbox._range_window('0', 0, '5', NULL, 10, 1000)",
+        "SELECT * FROM outbox._range_after('0', 0, '5', NULL, 10)",
+        "SELECT * FROM outbox._batch_range('1:1:', '1:1:', '0', 0)",
         "SELECT outbox._log_snapshot()",
         "SELECT * FROM outbox.ticks",
     ] {

@@ -8,6 +8,7 @@
 #   - taking a tick and reading a batch of 100 while a transaction that raised 100,000 events is
 #     still open, against the same with no such transaction: a long transaction is not scanned
 #     again at every tick
+#   - the cost of one tick from a client: after a one-event commit, and with nothing raised since
 # With BENCH_JSON=<file>, each figure is also appended to <file> as a JSON line (for the report).
 #
 #   bash benches/ticks.sh                     # 10 s per measurement
@@ -112,11 +113,21 @@ END \$\$;
 CREATE FUNCTION ticks_us() RETURNS float8 LANGUAGE plpgsql AS \$\$
 DECLARE
     t timestamptz := clock_timestamp();
-    k bigint;
+    b record;
+    r record;
     n bigint := 0;
 BEGIN
-    FOR k IN SELECT tick FROM outbox.ticks ORDER BY tick LOOP
-        n := n + (SELECT count(*) FROM outbox._tick_log(outbox._tick_before(k), k, '0', 0, 1000));
+    -- Each batch as a reader reads it from its start: one range of the log when it is one
+    -- (outbox._batch_range), both its parts otherwise.
+    FOR b IN SELECT coalesce(lag(k.snapshot) OVER (ORDER BY k.tick), '1:1:') AS since, k.snapshot AS upto
+               FROM outbox.ticks k ORDER BY k.tick LOOP
+        SELECT * INTO r FROM outbox._batch_range(b.since::text, b.upto::text, '0', 0);
+        IF FOUND THEN
+            n := n + (SELECT count(*) FROM outbox._range_log(r.after_txid::xid8, r.after_seq, r.below::xid8,
+                                                             r.running::pg_snapshot, 1000));
+        ELSE
+            n := n + (SELECT count(*) FROM outbox._snapshot_log(b.since, b.upto, '0', 0, 1000));
+        END IF;
     END LOOP;
     RETURN extract(epoch FROM clock_timestamp() - t) * 1e6 / greatest(n, 1);
 END \$\$;
@@ -129,7 +140,7 @@ need "$rule_us" "reading by the read rule"
 need "$ticks_us" "reading by ticks"
 ratio=$(awk -v a="$ticks_us" -v b="$rule_us" 'BEGIN { printf "%.2f", a / b }')
 printf '%-58s %12s\n' "read $EVENTS events, read rule in pages of 1,000, us/event" "$rule_us"
-printf '%-58s %12s\n' "read them by ticks of 100, us/event" "$ticks_us"
+printf '%-58s %12s\n' "read them by ticks of 100, batch by batch, us/event" "$ticks_us"
 printf '%-58s %12s\n' "  ratio (at most)" "$ratio"
 json "{\"ratio\": \"reading by ticks of 100 / the read rule, time per event (at most)\", \"value\": $ratio, \"target\": null}"
 
@@ -163,4 +174,26 @@ printf '%-58s %12s\n' "raise 100 + tick + read the batch, ms" "$without"
 printf '%-58s %12s\n' "  the same while 100,000 events wait in an open transaction" "$with"
 printf '%-58s %12s\n' "  ratio" "$ratio"
 json "{\"ratio\": \"tick and read a batch while a transaction holds 100,000 events / without (at most)\", \"value\": $ratio, \"target\": 1.2}"
+
+# 4. The cost of a tick, committed asynchronously as the workers commit theirs, from pgbench's
+# per-statement latencies (a client's round trip and the commit included; a worker calls it in
+# its own process): after a one-event transaction (a tick is taken), and with nothing committed
+# since the last but the last tick's own transaction (none is taken: the tick reads that one
+# transaction's range of the log and finds no event).
+psql_bench -c "TRUNCATE outbox.events, outbox.ticks" -c "SELECT outbox.raise('first')" -c "CHECKPOINT" >/dev/null
+printf 'SELECT outbox.raise(\x27order.placed\x27);\nSELECT outbox._tick();\n' >"$W/raise_tick.sql"
+# The microseconds of the script's line $2 (1-based) over a run of script $1.
+line_us() {
+  PGOPTIONS='-c synchronous_commit=off' pgbench -h "$DIR" -p "$PORT" -U postgres -n -M prepared -r -c 1 \
+    -T "$SECONDS_PER" -f "$W/$1" bench 2>&1 |
+    awk -v want="$2" '/statement latencies in milliseconds/ { on = 1; next } on && /^ +[0-9.]+ / { if (++n == want) { printf "%.0f", $1 * 1000; exit } }'
+}
+taken=$(line_us raise_tick.sql 2)
+need "$taken" "a tick after a raise"
+empty=$(line_us tick.sql 1)
+need "$empty" "a tick with nothing to take"
+printf '%-58s %12s\n' "a tick after a one-event commit, client round trip, us" "$taken"
+printf '%-58s %12s\n' "a tick with nothing raised since the last (none taken), us" "$empty"
+json "{\"chart\": \"tick_cost_us\", \"title\": \"the cost of a tick\", \"unit\": \"us\", \"series\": \"tick\", \"x\": \"after a one-event commit\", \"y\": $taken}"
+json "{\"chart\": \"tick_cost_us\", \"title\": \"the cost of a tick\", \"unit\": \"us\", \"series\": \"tick\", \"x\": \"nothing raised since\", \"y\": $empty}"
 echo

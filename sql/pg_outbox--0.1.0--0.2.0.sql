@@ -1380,6 +1380,9 @@ LANGUAGE sql STABLE AS $$
        AND r.txid OPERATOR(pg_catalog.<) below
        -- NULL when `running` is: none to leave out (the snapshot is made once, not for every row).
        AND COALESCE(pg_catalog.pg_visible_in_snapshot(r.txid, (SELECT running)), true)
+       -- A NULL argument reads nothing, as _read_log and _snapshot_log (a row comparison with a NULL
+       -- seq would still be true for every later transaction).
+       AND after_seq IS NOT NULL
      ORDER BY r.txid, r.seq
      LIMIT COALESCE(max_events, 0)
 $$;

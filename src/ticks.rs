@@ -157,9 +157,18 @@ fn batch_range(
         name!(running, Option<String>),
     ),
 > {
+    use crate::error::OrReport;
+    Snapshot::parse(since).or_report();
+    Snapshot::parse(upto).or_report();
     let txid = after_txid
         .parse::<u64>()
-        .unwrap_or_else(|_| panic!("invalid transaction id \"{after_txid}\""));
+        .map_err(|_| {
+            pg_outbox_core::Invalid::new(
+                pg_outbox_core::InvalidKind::Text,
+                format!("invalid transaction id \"{after_txid}\""),
+            )
+        })
+        .or_report();
     let args = BatchArgs::of(since, upto, Position::new(txid, after_seq));
     let row = args
         .range

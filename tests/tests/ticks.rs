@@ -369,6 +369,15 @@ fn ticks_refuse_what_would_break_them() {
         sqlstate(&mut c, "SELECT outbox._tick_snapshot(NULL)"),
         "22004"
     );
+    // The snapshots and position outbox.read passes to outbox._batch_range: bad ones are refused
+    // as such, not a crash of the backend.
+    for bad in [
+        "SELECT count(*) FROM outbox._batch_range('10:20:', 'x', '0', 0)",
+        "SELECT count(*) FROM outbox._batch_range('20:10:', '10:20:', '0', 0)",
+        "SELECT count(*) FROM outbox._batch_range('10:20:', '10:20:', '-1', 0)",
+    ] {
+        assert_eq!(sqlstate(&mut c, bad), "22P02", "{bad}");
+    }
     // As the read rule: a NULL argument reads nothing (it is not STRICT, to be inlined).
     let n: i64 = c
         .query_one(
@@ -384,6 +393,34 @@ fn ticks_refuse_what_would_break_them() {
     assert_eq!(none, 0, "no tick before anything was raised here");
     c.batch_execute("SELECT outbox.raise('t', '{\"w\": 1, \"n\": 1, \"j\": 0}')")
         .unwrap();
+    // A range of the log reads that event, and nothing when an argument is NULL.
+    let far = "'9223372036854775807'";
+    for (sql, want) in [
+        (format!("outbox._range_log('0', 0, {far}, NULL, 10)"), 1),
+        (format!("outbox._range_after('0', 0, {far}, NULL, 10)"), 1),
+        (
+            format!("outbox._range_window('0', 0, {far}, NULL, 10, 1000)"),
+            1,
+        ),
+        (format!("outbox._range_log('0', NULL, {far}, NULL, 10)"), 0),
+        (format!("outbox._range_log(NULL, 0, {far}, NULL, 10)"), 0),
+        ("outbox._range_log('0', 0, NULL, NULL, 10)".to_string(), 0),
+        (format!("outbox._range_log('0', 0, {far}, NULL, NULL)"), 0),
+        (
+            format!("outbox._range_after('0', NULL, {far}, NULL, 10)"),
+            0,
+        ),
+        (
+            format!("outbox._range_window('0', 0, {far}, NULL, 10, NULL)"),
+            0,
+        ),
+    ] {
+        let n: i64 = c
+            .query_one(&format!("SELECT count(*) FROM {sql}"), &[])
+            .unwrap()
+            .get(0);
+        assert_eq!(n, want, "{sql}");
+    }
     let first: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
     let again: i64 = c.query_one("SELECT outbox._tick()", &[]).unwrap().get(0);
     assert_eq!(
